@@ -1,0 +1,42 @@
+"""The package's exception types: every error a user can act on derives from PreciseBNError."""
+from __future__ import annotations
+
+
+class PreciseBNError(Exception):
+    """Base class of every error raised by precise-bn."""
+
+
+class ConfigError(PreciseBNError, ValueError):
+    """An argument or configuration value is invalid; the message names it."""
+
+
+class EmptyDataError(PreciseBNError):
+    """The data source gave no batch at all (on every rank), so there is nothing to measure."""
+
+
+class NonFiniteStatsError(PreciseBNError, FloatingPointError):
+    """A layer's batch statistics contain NaN or Inf; the message names the layer."""
+
+
+class LayerError(PreciseBNError):
+    """A BatchNorm layer cannot be recalibrated as asked (unmaterialised, not tracking stats, ...)."""
+
+
+class DistributedError(PreciseBNError):
+    """Ranks disagree on what they are merging (different layers or channel counts)."""
+
+
+class CheckpointError(PreciseBNError):
+    """A checkpoint cannot be read, matched to the model, or written; the message names file and key."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint would need to run code to load, and it was not marked as trusted."""
+
+
+class BackendUnavailableError(PreciseBNError, ImportError):
+    """An optional backend or integration is not installed; the message says how to get it."""
+
+
+class PreciseBNWarning(UserWarning):
+    """Something the user should know but that does not stop the job (short data, unused layers)."""

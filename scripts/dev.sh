@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: builds the two environments on first use, then
+#   bash scripts/dev.sh demo   - recompute BN stats on the built-in demo model and data
+#   bash scripts/dev.sh test   - the whole test suite, in the main and the caffe2 environment
+#   bash scripts/dev.sh setup  - only build the environments
+# Torch is pinned in every install so pip never fetches another build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+MAIN_VENV="$ROOT/.venv"
+CAFFE2_VENV="$ROOT/.venv-caffe2"
+MAIN_PINS=(torch==2.14.1 torchvision==0.29.1)
+CAFFE2_PINS=(torch==1.10.2 "setuptools<70" "numpy<1.24" "protobuf<4" six future typing_extensions)
+MAIN_EXTRAS="test,demo,plot,lightning,classy,bench"
+CAFFE2_EXTRAS="test"
+
+log() { printf '[dev.sh] %s\n' "$*" >&2; }
+
+python_for() {  # $1 = 3.11 | 3.9
+  if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -q "^$1"; then
+    PYENV_VERSION=$1 pyenv exec python"$1" "${@:2}"
+  elif command -v "python$1" >/dev/null 2>&1 && PYENV_VERSION=$1 "python$1" -c '' 2>/dev/null; then
+    PYENV_VERSION=$1 "python$1" "${@:2}"
+  else
+    log "Python $1 not found: install it (pyenv install $1) and rerun"; exit 1
+  fi
+}
+
+# build_env VENV PYVER EXTRAS PINS...: (re)install when pyproject.toml or this script changed.
+build_env() {
+  local venv=$1 pyver=$2 extras=$3; shift 3
+  local stamp
+  stamp=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
+  if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then return; fi
+  log "building $venv (Python $pyver)"
+  [ -x "$venv/bin/python" ] || python_for "$pyver" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade "pip<25" wheel
+  "$venv/bin/python" -m pip install -q "$@"
+  "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
+  echo "$stamp" >"$venv/.stamp"
+}
+
+setup_main() { build_env "$MAIN_VENV" 3.11 "$MAIN_EXTRAS" "${MAIN_PINS[@]}"; }
+setup_caffe2() { build_env "$CAFFE2_VENV" 3.9 "$CAFFE2_EXTRAS" "${CAFFE2_PINS[@]}"; }
+
+run_tests() {
+  local status=0
+  setup_main
+  setup_caffe2
+  log "main environment: $("$MAIN_VENV/bin/python" -c 'import sys,torch;print(sys.version.split()[0],"torch",torch.__version__)')"
+  "$MAIN_VENV/bin/python" -m pytest -q -m "not caffe2_env" "$@" || status=$?
+  log "caffe2 environment: $("$CAFFE2_VENV/bin/python" -c 'import sys,torch;print(sys.version.split()[0],"torch",torch.__version__)')"
+  "$CAFFE2_VENV/bin/python" -m pytest -q -m "not main_env" "$@" || status=$((status ? status : $?))
+  return $status
+}
+
+cmd=${1:-help}; shift || true
+case "$cmd" in
+  setup) setup_main; setup_caffe2 ;;
+  demo) setup_main; exec "$MAIN_VENV/bin/precise-bn" demo "$@" ;;
+  test) run_tests "$@" ;;
+  *) sed -n '2,6p' "$0"; exit 2 ;;
+esac
