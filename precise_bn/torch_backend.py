@@ -141,13 +141,18 @@ class BNPass:
         ]
         self._lock = threading.Lock()
         self._handles: List[Any] = []
-        self._saved_buffers: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._saved_buffers: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._saved_flags: List[Tuple[Optional[float], bool]] = []
         self._results: Optional[List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = None
 
     def __enter__(self) -> "BNPass":
         try:
-            self._saved_buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+            self._saved_buffers = [
+                (module, key, buf, buf.detach().clone())
+                for module in self.model.modules()
+                for key, buf in module._buffers.items()
+                if buf is not None
+            ]
             for (_, module), stats in zip(self.layers, self.stats):
                 self._saved_flags.append((module.momentum, module.training))
                 module.train()
@@ -202,7 +207,13 @@ class BNPass:
         for (_, module), (momentum, training) in zip(self.layers, self._saved_flags):
             module.momentum = momentum
             module.train(training)
-        for buf, saved in self._saved_buffers:
+        self._restore_buffers()
+
+    def _restore_buffers(self) -> None:
+        # Some torch versions rebind a buffer (``num_batches_tracked = num_batches_tracked + 1``):
+        # put the original tensor object back, so references held elsewhere stay valid.
+        for module, key, buf, saved in self._saved_buffers:
+            module._buffers[key] = buf
             buf.copy_(saved)
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -216,8 +227,7 @@ class BNPass:
                         module.running_mean.copy_(result[0])
                         module.running_var.copy_(result[1])
             except BaseException:
-                for buf, saved in self._saved_buffers:
-                    buf.copy_(saved)
+                self._restore_buffers()
                 raise
 
 

@@ -79,10 +79,14 @@ def assert_close_default(mean, var, ref_mean, ref_var, what: str = "") -> None:
 
 
 def assert_close_exact(mean, var, ref_mean, ref_var, what: str = "") -> None:
-    """The exact path's bound: variance within 1e-7 relative, mean within 1e-7 std or 1 ulp."""
+    """The exact path's bound: variance within 1e-7 relative, mean within 1e-7 std or 1 ulp.
+
+    Values stored in float32 buffers may further differ by the rounding of the store itself.
+    """
+    stored32 = var.dtype == torch.float32
     mean, var = mean.double().cpu(), var.double().cpu()
     mean_tol = torch.maximum(1e-7 * ref_var.sqrt(), ulp32(ref_mean))
-    var_tol = 1e-7 * ref_var + ulp32(ref_var) * (var.dtype == torch.float32)
+    var_tol = 1e-7 * ref_var + (ulp32(ref_var) if stored32 else 0.0)
     _check(mean, var, ref_mean, ref_var, mean_tol, var_tol, what)
 
 

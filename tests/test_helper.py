@@ -1,0 +1,92 @@
+"""BatchNormHelper on the torch backend: settings, the aux view and the per-iteration cache."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from precise_bn import BatchNormHelper, ConfigError
+from reference import assert_close_default, float64_reference
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.bn(self.conv(x))
+
+
+def _data(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, 4, 4, generator=gen) * 2 + 1 for _ in range(n)]
+
+
+def test_settings_from_config_object_and_keywords():
+    cfg = SimpleNamespace(
+        TRAIN=SimpleNamespace(ITER_COMPUTE_PRECISE_BN=7),
+        MODEL=SimpleNamespace(BN_EPSILON=1e-4),
+        NUM_GPUS=2,
+        ROOT_GPU_ID=1,
+        LOG_PERIOD=3,
+    )
+    helper = BatchNormHelper(cfg)
+    assert helper.iters == 7
+    assert helper.settings["bn_epsilon"] == 1e-4 and helper.settings["num_gpus"] == 2
+    assert helper.settings["root_gpu_id"] == 1 and helper.settings["log_period"] == 3
+    nested = {"TRAIN": {"ITER_COMPUTE_PRECISE_BN": 5}}
+    assert BatchNormHelper(nested, iters=9).iters == 9
+    assert BatchNormHelper(nested).iters == 5
+    with pytest.raises(ConfigError, match="ITER_COMPUTE_PRECISE_BN"):
+        BatchNormHelper(iters=0)
+    with pytest.raises(ConfigError, match="backend"):
+        BatchNormHelper(backend="tf")
+    with pytest.raises(ConfigError, match="create_bn_aux_model"):
+        BatchNormHelper().compute_and_update_bn_stats()
+
+
+def test_cache_same_iteration_reapplies_without_forward():
+    torch.manual_seed(0)
+    model = Counting()
+    data = _data(5)
+    helper = BatchNormHelper(iters=3)
+    aux = helper.create_bn_aux_model(model, data)
+    assert aux.model is model  # a view over the same module: no weight copy
+
+    ref_mean, ref_var, _ = float64_reference(model, data[:3])["bn"]
+    helper.compute_and_update_bn_stats(curr_iter=100)
+    assert model.forwards == 3
+    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    stats = (model.bn.running_mean.clone(), model.bn.running_var.clone())
+
+    with torch.no_grad():
+        model.bn.running_mean.add_(5)
+        model.bn.running_var.mul_(3)
+    helper.compute_and_update_bn_stats(curr_iter=100)
+    assert model.forwards == 3 and helper.runs == 1
+    assert torch.equal(model.bn.running_mean, stats[0]) and torch.equal(model.bn.running_var, stats[1])
+
+    # A new iteration recomputes on the next batches: the source wraps around after batch 5.
+    wrapped = data[3:] + data[:1]
+    ref_mean, ref_var, _ = float64_reference(model, wrapped)["bn"]
+    helper.compute_and_update_bn_stats(curr_iter=200)
+    assert model.forwards == 6 and helper.runs == 2
+    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    helper.compute_and_update_bn_stats()
+    assert helper.runs == 3
+
+
+def test_options_pass_through_to_update_bn_stats():
+    model = Counting()
+    helper = BatchNormHelper(iters=2, exact=True)
+    helper.create_bn_aux_model(model, [(x, 0) for x in _data(2)])
+    report = helper.compute_and_update_bn_stats(1)
+    assert report.estimator == "exact" and report.batches == 2
+    with pytest.raises(ConfigError, match="data"):
+        helper.create_bn_aux_model(model)

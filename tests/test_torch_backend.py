@@ -1,0 +1,401 @@
+"""update_bn_stats against a float64 two-pass reference of every BN input of every call."""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from precise_bn import (
+    ConfigError,
+    EmptyDataError,
+    LayerError,
+    NonFiniteStatsError,
+    PreciseBNWarning,
+    get_bn_modules,
+    update_bn,
+    update_bn_stats,
+)
+from reference import assert_close_default, assert_close_exact, float64_reference
+
+C = 5
+HUGE = 0  # channel whose mean is 1e4 times its std
+DEAD = 1  # channel with variance exactly 0
+
+
+def make_batches(shapes, seed=0, huge=True, dead=True):
+    """Batches of shape (N, C, *spatial) with per-channel means/stds, a huge and a dead channel."""
+    gen = torch.Generator().manual_seed(seed)
+    means = torch.tensor([1e4, 3.5, -2.0, 0.5, 40.0])
+    stds = torch.tensor([1.0, 0.0, 0.3, 2.0, 5.0])
+    if not huge:
+        means[HUGE] = 1.0
+    if not dead:
+        stds[DEAD] = 1.0
+    out = []
+    for shape in shapes:
+        x = torch.randn(*shape, generator=gen)
+        view = [1, C] + [1] * (len(shape) - 2)
+        out.append(x * stds.view(view) + means.view(view))
+    return out
+
+
+class BNOnly(nn.Module):
+    """Feeds the batch straight into the BN layer, so the reference is the data itself."""
+
+    def __init__(self, bn: nn.Module):
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+class SubclassedBN(nn.BatchNorm2d):
+    pass
+
+
+def _syncbn_runs_on_cpu() -> bool:
+    """torch < 1.13 refuses SyncBatchNorm on CPU tensors even without a process group."""
+    try:
+        with torch.no_grad():
+            nn.SyncBatchNorm(2)(torch.zeros(2, 2, 1, 1))
+    except ValueError:
+        return False
+    return True
+
+
+KINDS = {
+    "bn1d_nc": (lambda: nn.BatchNorm1d(C), [(7, C), (9, C), (3, C)]),
+    "bn1d_ncl": (lambda: nn.BatchNorm1d(C), [(4, C, 6), (4, C, 6), (1, C, 9)]),
+    "bn2d": (lambda: nn.BatchNorm2d(C), [(4, C, 5, 5), (4, C, 5, 5), (3, C, 5, 5)]),
+    "bn3d": (lambda: nn.BatchNorm3d(C), [(2, C, 3, 4, 4), (2, C, 3, 4, 4), (1, C, 3, 4, 4)]),
+    "subclass": (lambda: SubclassedBN(C), [(4, C, 3, 3), (5, C, 3, 3)]),
+    "batch1_spatial": (lambda: nn.BatchNorm2d(C), [(1, C, 6, 6), (1, C, 6, 6), (1, C, 4, 4)]),
+}
+if _syncbn_runs_on_cpu():
+    KINDS["syncbn"] = (lambda: nn.SyncBatchNorm(C), [(4, C, 5, 5), (2, C, 5, 5)])
+
+
+def _buffers(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_bn_kind_matches_float64_reference(kind, exact):
+    factory, shapes = KINDS[kind]
+    model = BNOnly(factory())
+    batches = make_batches(shapes)
+    ref_mean, ref_var, count = float64_reference(model, batches)["bn"]
+    report = update_bn_stats(model, batches, num_iters=len(batches), exact=exact)
+    layer = report["bn"]
+    assert layer.elements == count and layer.calls == len(batches)
+    check = assert_close_exact if exact else assert_close_default
+    check(layer.new_mean, layer.new_var, ref_mean, ref_var, kind + " (float64 result)")
+    check(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var, kind + " (buffers)")
+    assert model.bn.running_var[DEAD].item() == 0.0
+
+
+def test_lazy_bn_once_materialised_and_refused_before():
+    lazy = BNOnly(nn.LazyBatchNorm2d())
+    batches = make_batches([(3, C, 4, 4), (2, C, 4, 4)])
+    with pytest.raises(LayerError, match="bn.*materialised"):
+        update_bn_stats(lazy, batches, num_iters=2)
+    with torch.no_grad():
+        lazy(batches[0])
+    ref_mean, ref_var, _ = float64_reference(lazy, batches)["bn"]
+    update_bn_stats(lazy, batches, num_iters=2)
+    assert_close_default(lazy.bn.running_mean, lazy.bn.running_var, ref_mean, ref_var)
+
+
+class Network(nn.Module):
+    """A small CNN with a reused BN layer, a branch used only on even batch sizes, a dead branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(C, 6, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.shared = nn.BatchNorm2d(6)
+        self.branch = nn.BatchNorm2d(6)
+        self.never = nn.BatchNorm2d(6)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(6, 3)
+        self.bn_head = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv(x)))
+        x = self.shared(torch.relu(self.shared(x)))  # reused: two calls per forward
+        if x.shape[0] % 2 == 0:
+            x = self.branch(x)
+        x = self.drop(x.mean((2, 3)))
+        return self.bn_head(self.head(x))
+
+
+def _network_and_batches(seed=0):
+    torch.manual_seed(seed)
+    model = Network()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.running_mean.uniform_(-1, 1)
+                module.running_var.uniform_(0.5, 2)
+                module.momentum = 0.3
+    batches = make_batches([(4, C, 6, 6), (3, C, 6, 6), (4, C, 6, 6), (2, C, 6, 6), (5, C, 6, 6)], seed)
+    return model, batches
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_reused_partly_used_and_unused_layers(exact):
+    model, batches = _network_and_batches()
+    model.drop.eval()  # the reference and the pass must see the same activations
+    before = _buffers(model)
+    ref = float64_reference(model, batches)
+    with pytest.warns(PreciseBNWarning, match="never"):
+        report = update_bn_stats(model, batches, num_iters=10, exact=exact)
+    check = assert_close_exact if exact else assert_close_default
+    for name in ("bn1", "shared", "branch", "bn_head"):
+        mean, var, count = ref[name]
+        check(report[name].new_mean, report[name].new_var, mean, var, name)
+        assert report[name].elements == count
+    assert report["shared"].calls == 2 * len(batches)
+    assert report["branch"].calls == 3
+    assert report.unused == ["never"]
+    for key in ("never.running_mean", "never.running_var", "never.num_batches_tracked"):
+        assert torch.equal(model.state_dict()[key], before[key])
+    assert "never ran" in str(report) and "shared" in str(report)
+
+
+def test_state_is_restored_and_references_see_new_stats():
+    model, batches = _network_and_batches()
+    model.drop.train()
+    held = model.bn1.running_var
+    before = _buffers(model)
+    update_bn_stats(model, batches, num_iters=5)
+    assert model.bn1.running_var is held
+    assert not torch.equal(held, before["bn1.running_var"])
+    for name, module in model.named_modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, name
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            assert module.momentum == 0.3 and module.training
+            assert torch.equal(module.num_batches_tracked, before[name + ".num_batches_tracked"])
+    assert model.drop.training
+    for p, q in zip(model.parameters(), _network_and_batches()[0].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_eval_mode_model_recomputes_all_layers_and_stays_in_eval():
+    model, batches = _network_and_batches()
+    model.eval()
+    ref = float64_reference(model, batches)
+    with pytest.warns(PreciseBNWarning):
+        report = update_bn_stats(model, batches, num_iters=5)
+    assert {layer.name for layer in report.layers} == {"bn1", "shared", "branch", "never", "bn_head"}
+    mean, var, _ = ref["bn1"]
+    assert_close_default(model.bn1.running_mean, model.bn1.running_var, mean, var)
+    assert not any(m.training for m in model.modules())
+
+
+def test_only_training_layers_by_default_and_explicit_lists():
+    model, batches = _network_and_batches()
+    model.bn1.eval()
+    assert model.bn1 not in get_bn_modules(model)
+    before = model.bn1.running_mean.clone()
+    with pytest.warns(PreciseBNWarning):
+        report = update_bn_stats(model, batches, num_iters=2)
+    assert "bn1" not in {layer.name for layer in report.layers}
+    assert torch.equal(model.bn1.running_mean, before)
+    report = update_bn_stats(model, batches, num_iters=2, layers=["bn1", model.bn_head])
+    assert [layer.name for layer in report.layers] == ["bn1", "bn_head"]
+    assert not torch.equal(model.bn1.running_mean, before) and not model.bn1.training
+    with pytest.raises(ConfigError, match="conv"):
+        update_bn_stats(model, batches, layers=["conv"])
+    with pytest.raises(ConfigError, match="nope"):
+        update_bn_stats(model, batches, layers=["nope"])
+
+
+def test_untracked_and_frozen_layers_are_skipped():
+    model = nn.Sequential(nn.BatchNorm2d(C, track_running_stats=False), nn.BatchNorm2d(C))
+    report = update_bn_stats(model, make_batches([(2, C, 3, 3)]), num_iters=1)
+    assert [layer.name for layer in report.layers] == ["1"]
+
+
+@pytest.mark.parametrize("wrap", ["tuple", "list", "dict", "forward_fn"])
+def test_batch_conventions(wrap):
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(3, C, 4, 4), (2, C, 4, 4)], huge=False)
+    ref_mean, ref_var, _ = float64_reference(model, batches)["bn"]
+    if wrap == "tuple":
+        data = [(x, torch.zeros(len(x))) for x in batches]
+        kwargs = {}
+    elif wrap == "list":
+        data = [[x, "meta"] for x in batches]
+        kwargs = {}
+    elif wrap == "dict":
+        data = [{"input": x, "target": 0} for x in batches]
+        kwargs = {}
+    else:
+        data = [{"pixels": x} for x in batches]
+        kwargs = {"forward_fn": lambda m, b: m(b["pixels"])}
+    report = update_bn_stats(model, data, num_iters=2, **kwargs)
+    assert report.samples == 5
+    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+
+
+def test_num_samples_budget_and_short_loader_warning():
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(4, C, 2, 2)] * 5, huge=False)
+    report = update_bn_stats(model, batches, num_iters=None, num_samples=10)
+    assert report.batches == 3 and report.samples == 12
+    ref_mean, ref_var, _ = float64_reference(model, batches[:3])["bn"]
+    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    with pytest.warns(PreciseBNWarning, match=r"5 batches.*num_iters=8"):
+        assert update_bn_stats(model, batches, num_iters=8).batches == 5
+    with pytest.warns(PreciseBNWarning, match=r"20 samples.*num_samples=100"):
+        update_bn_stats(model, batches, num_samples=100)
+    with pytest.raises(ConfigError, match="num_iters"):
+        update_bn_stats(model, batches, num_iters=0)
+
+
+def test_empty_loader_raises_before_touching_anything():
+    model, _ = _network_and_batches()
+    before = _buffers(model)
+    with pytest.raises(EmptyDataError):
+        update_bn_stats(model, [], num_iters=3)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+class Boom(Exception):
+    pass
+
+
+def _failing(batches, at, exc):
+    for i, batch in enumerate(batches):
+        if i == at:
+            raise exc
+        yield batch
+
+
+@pytest.mark.parametrize("exc", [Boom("data broke"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_failure_mid_pass_leaves_model_exactly_as_it_was(exc, exact):
+    model, batches = _network_and_batches()
+    model.bn_head.eval()
+    before = _buffers(model)
+    flags = {n: (m.training, getattr(m, "momentum", None)) for n, m in model.named_modules()}
+    with pytest.raises(type(exc)):
+        update_bn_stats(model, _failing(batches, 3, exc), num_iters=10, exact=exact)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert flags == {n: (m.training, getattr(m, "momentum", None)) for n, m in model.named_modules()}
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_exception_in_forward_fn_restores_state():
+    model, batches = _network_and_batches()
+    before = _buffers(model)
+    calls = []
+
+    def forward_fn(m, batch):
+        calls.append(1)
+        m(batch)
+        if len(calls) == 2:
+            raise RuntimeError("forward failed")
+
+    with pytest.raises(RuntimeError, match="forward failed"):
+        update_bn_stats(model, batches, num_iters=5, forward_fn=forward_fn)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_nan_batch_raises_naming_layer_and_changes_nothing():
+    model, batches = _network_and_batches()
+    before = _buffers(model)
+    batches[2] = batches[2].clone()
+    batches[2][0, 2, 1, 1] = float("nan")
+    with pytest.raises(NonFiniteStatsError, match="bn1"):
+        update_bn_stats(model, batches, num_iters=5)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_nan_in_old_buffers_does_not_leak():
+    model = BNOnly(nn.BatchNorm2d(C))
+    model.bn.running_var.fill_(float("nan"))
+    model.bn.running_mean.fill_(float("inf"))
+    batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)])
+    ref_mean, ref_var, _ = float64_reference(model, batches)["bn"]
+    update_bn_stats(model, batches, num_iters=2)
+    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+
+
+def test_unbiased_option_and_momentum_none():
+    model = BNOnly(nn.BatchNorm2d(C, momentum=None))
+    batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False)
+    ref_mean, ref_var, count = float64_reference(model, batches)["bn"]
+    report = update_bn_stats(model, batches, num_iters=2, unbiased=True, exact=True)
+    assert_close_exact(report["bn"].new_mean, report["bn"].new_var, ref_mean, ref_var * count / (count - 1))
+    assert model.bn.momentum is None
+
+
+def test_ddp_like_wrapper_is_unwrapped_and_device_moves_batches():
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False)
+    ref_mean, ref_var, _ = float64_reference(model, batches)["bn"]
+    report = update_bn_stats(model, [(x.double(), 0) for x in batches], num_iters=2,
+                             forward_fn=lambda m, b: m(b[0].float()), device="cpu")
+    assert report.batches == 2
+    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+
+
+def test_autocast_keeps_bn_in_float32():
+    model = nn.Sequential(nn.Conv2d(C, 4, 1), nn.BatchNorm2d(4))
+    batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False, dead=False)
+    report = update_bn_stats(model, batches, num_iters=2, autocast=torch.bfloat16, exact=True)
+    assert model[1].running_mean.dtype == torch.float32
+    # bfloat16 convolutions: compare with the float64 statistics of the autocast activations.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        acts = torch.cat([model[0](x).double().transpose(0, 1).reshape(4, -1) for x in batches], 1)
+    torch.testing.assert_close(report["1"].new_mean, acts.mean(1), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(report["1"].new_var, acts.var(1, unbiased=False), rtol=1e-9, atol=1e-9)
+
+
+def test_progress_bar_and_logging(caplog, capsys):
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(2, C, 3, 3)] * 4, huge=False)
+    with caplog.at_level("INFO", logger="precise_bn"):
+        update_bn_stats(model, batches, num_iters=4, progress="tqdm", log_period=2)
+    text = caplog.text
+    assert "recomputing 1 BatchNorm layers" in text and "s/iter" in text and "from 4 batches" in text
+    assert "4/4" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="progress"):
+        update_bn_stats(model, batches, progress="bar")
+
+
+def test_update_bn_drop_in_covers_whole_loader_and_all_layers():
+    model, batches = _network_and_batches()
+    model.drop.eval()
+    model.bn1.eval()
+    ref = float64_reference(model, batches)
+    data = [(x, torch.zeros(len(x))) for x in batches] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PreciseBNWarning)
+        report = update_bn(data, model)
+    assert report.batches == 3 * len(batches)
+    mean, var, _ = ref["bn1"]
+    assert_close_default(model.bn1.running_mean, model.bn1.running_var, mean, var)
+    assert not model.bn1.training
+
+
+def test_report_drift_and_json():
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(3, C, 3, 3)] * 2, huge=False)
+    report = update_bn_stats(model, batches, num_iters=2)
+    layer = report["bn"]
+    expected = ((layer.new_mean - layer.old_mean).abs() / (layer.new_var + model.bn.eps).sqrt()).max()
+    assert layer.mean_drift == pytest.approx(float(expected))
+    data = report.to_dict()
+    assert data["layers"][0]["name"] == "bn" and data["batches"] == 2
+    assert math.isfinite(data["layers"][0]["var_drift"])
