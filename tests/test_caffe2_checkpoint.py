@@ -1,0 +1,227 @@
+"""Caffe2 ``.pkl`` checkpoints: safe loading, saving, and the Caffe2 <-> PyTorch name mapping.
+
+numpy and torch only: these run in both environments (the torchvision check only in main).
+"""
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from precise_bn.caffe2_checkpoint import (
+    caffe2_to_torch,
+    load_caffe2_pickle,
+    save_caffe2_pickle,
+    torch_to_caffe2,
+)
+from precise_bn.errors import CheckpointError, UnsafeCheckpointError
+
+BN_SUFFIXES = ("_s", "_b", "_rm", "_riv")
+OPTIMIZER_BLOBS = ("conv1_w_momentum", "lr", "optimizer_iteration", "res_conv1_bn_sm", "res_conv1_bn_siv")
+
+
+def zoo_blobs(seed=0):
+    """A two-stage Caffe2 model-zoo ResNet checkpoint with optimizer state, in float32.
+
+    Values include -0.0, a subnormal and a NaN with a payload, so "bit-exact" means bits.
+    """
+    rng = np.random.RandomState(seed)
+
+    def rand(*shape):
+        value = rng.randn(*shape).astype(np.float32)
+        flat = value.reshape(-1)
+        flat[:3] = np.array([0x80000000, 0x00000001, 0x7FC00123], np.uint32).view(np.float32)
+        return value
+
+    blobs = {"conv1_w": rand(4, 3, 3, 3)}
+    blobs.update({"res_conv1_bn" + s: rand(4) for s in BN_SUFFIXES})
+    for stage, (cin, cout) in ((2, (4, 8)), (3, (8, 8))):
+        for block in (0, 1):
+            width = cin if block == 0 else cout
+            shapes = (("2a", (cout, width, 1, 1)), ("2b", (cout, cout, 3, 3)), ("2c", (cout, cout, 1, 1)))
+            for branch, shape in shapes:
+                name = "res{}_{}_branch{}".format(stage, block, branch)
+                blobs[name + "_w"] = rand(*shape)
+                blobs.update({name + "_bn" + s: rand(cout) for s in BN_SUFFIXES})
+        name = "res{}_0_branch1".format(stage)
+        blobs[name + "_w"] = rand(cout, cin, 1, 1)
+        blobs.update({name + "_bn" + s: rand(cout) for s in BN_SUFFIXES})
+    blobs.update({"pred_w": rand(3, 8), "pred_b": rand(3)})
+    blobs.update({"conv1_w_momentum": rand(4, 3, 3, 3), "lr": np.array([0.1], np.float32),
+                  "optimizer_iteration": np.array([1234], np.int64),
+                  "res_conv1_bn_sm": rand(4), "res_conv1_bn_siv": rand(4)})
+    return blobs
+
+
+def assert_same_bits(got, want):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert got[key].tobytes() == value.tobytes(), key
+
+
+def test_round_trip_caffe2_torch_caffe2_is_bit_exact(tmp_path):
+    blobs = zoo_blobs()
+    state, forward = caffe2_to_torch(blobs)
+    assert sorted(forward.skipped) == sorted(OPTIMIZER_BLOBS) and not forward.unmatched
+    assert forward.mapped["res3_1_branch2c_bn_riv"] == "layer2.1.bn3.running_var"
+    assert forward.mapped["res2_0_branch1_bn_rm"] == "layer1.0.downsample.1.running_mean"
+    assert forward.mapped["res2_0_branch1_w"] == "layer1.0.downsample.0.weight"
+    assert forward.mapped["res_conv1_bn_s"] == "bn1.weight" and forward.mapped["pred_w"] == "fc.weight"
+    assert state["layer2.1.bn3.running_var"].numpy().tobytes() == blobs["res3_1_branch2c_bn_riv"].tobytes()
+
+    back, backward = torch_to_caffe2(state)
+    assert not backward.unmatched
+    assert_same_bits(back, {k: v for k, v in blobs.items() if k not in OPTIMIZER_BLOBS})
+    with_base, _ = torch_to_caffe2(state, base=blobs)
+    assert_same_bits(with_base, blobs)
+
+    path = tmp_path / "model.pkl"
+    save_caffe2_pickle(with_base, path)
+    assert_same_bits(load_caffe2_pickle(path), blobs)
+    assert os.listdir(tmp_path) == ["model.pkl"]
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize("layout", ["blobs", "flat"])
+def test_loads_python3_pickles_of_every_protocol(tmp_path, protocol, layout):
+    blobs = {"conv1_w": np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7,
+             "optimizer_iteration": np.array([5], np.int64), "scale": np.float64(2.5)}
+    content = {"blobs": blobs, "cfg": "MODEL:\n  TYPE: generalized_rcnn\n"} if layout == "blobs" else blobs
+    path = tmp_path / "ckpt.pkl"
+    path.write_bytes(pickle.dumps(content, protocol=protocol))
+    loaded = load_caffe2_pickle(path)
+    assert set(loaded) == set(blobs)
+    for key, value in blobs.items():
+        want = np.asarray(value)
+        assert loaded[key].tobytes() == want.tobytes() and loaded[key].dtype == want.dtype
+
+
+def _py2_str(text: bytes) -> bytes:
+    """A Python 2 ``str`` as cPickle writes it: SHORT_BINSTRING, or BINSTRING past 255 bytes."""
+    if len(text) < 256:
+        return b"U" + bytes([len(text)]) + text
+    return b"T" + struct.pack("<i", len(text)) + text
+
+
+def _py2_array(array: np.ndarray) -> bytes:
+    """An ndarray in the opcodes Python 2 numpy's ``__reduce__`` produces under protocol 2."""
+    dtype = (b"cnumpy\ndtype\n" + _py2_str(array.dtype.str[1:].encode()) + b"K\x00K\x01\x87R"
+             + b"(K\x03" + _py2_str(b"<") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb")
+    shape = b"(" + b"".join(b"K" + bytes([d]) for d in array.shape) + b"t"
+    data = _py2_str(array.astype("<" + array.dtype.str[1:]).tobytes())
+    return (b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85" + _py2_str(b"b") + b"\x87R"
+            + b"(K\x01" + shape + dtype + b"\x89" + data + b"tb")
+
+
+def test_loads_python2_protocol2_pickle(tmp_path):
+    blobs = {"res_conv1_bn_riv": np.linspace(0.5, 2.0, 4).astype(np.float32),
+             "conv1_w": np.random.RandomState(0).randn(2, 3, 3, 3).astype(np.float32),
+             "optimizer_iteration": np.array([77], np.int64)}
+    body = b"".join(_py2_str(k.encode()) + _py2_array(v) + b"s" for k, v in blobs.items())
+    data = b"\x80\x02}" + _py2_str(b"blobs") + b"}" + body + b"s."
+    path = tmp_path / "py2.pkl"
+    path.write_bytes(data)
+    assert_same_bits(load_caffe2_pickle(path), blobs)
+
+
+class _Evil:
+    def __init__(self, call, args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+@pytest.mark.parametrize("attack", ["system", "open", "exec"])
+def test_malicious_pickle_refused_and_nothing_runs(tmp_path, attack):
+    marker = tmp_path / "pwned"
+    payload = {
+        "system": _Evil(os.system, ("touch {}".format(marker),)),
+        "open": _Evil(builtins.open, (str(marker), "w")),
+        "exec": _Evil(builtins.exec, ("open({!r}, 'w').close()".format(str(marker)),)),
+    }[attack]
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps({"blobs": {"w": np.ones(3, np.float32), "x": payload}}, protocol=2))
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load_caffe2_pickle(path)
+    assert str(path) in str(info.value) and attack in str(info.value) and "nothing was run" in str(info.value)
+    assert not marker.exists()
+
+
+def test_unreadable_files_name_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="missing.pkl"):
+        load_caffe2_pickle(tmp_path / "missing.pkl")
+    path = tmp_path / "garbage.pkl"
+    path.write_bytes(b"\x00not a pickle at all")
+    with pytest.raises(CheckpointError, match="garbage.pkl"):
+        load_caffe2_pickle(path)
+    path.write_bytes(pickle.dumps([np.zeros(2)]))
+    with pytest.raises(CheckpointError, match="expected"):
+        load_caffe2_pickle(path)
+
+
+def test_folded_bn_checkpoint_refused_for_precise_bn():
+    blobs = {k: v for k, v in zoo_blobs().items()
+             if not (k.startswith("res2_0_branch2b_bn_r") or k.startswith("res_conv1_bn_r"))}
+    with pytest.raises(CheckpointError) as info:
+        caffe2_to_torch(blobs, source="r50_affine.pkl")
+    message = str(info.value)
+    assert "r50_affine.pkl" in message and "AffineChannel" in message
+    assert "res2_0_branch2b_bn" in message and "res_conv1_bn" in message and "2 layer(s)" in message
+    state, _ = caffe2_to_torch(blobs, require_bn_stats=False)
+    assert "bn1.weight" in state and "bn1.running_var" not in state
+
+
+def test_user_rules_target_checks_and_report():
+    blobs = {"stem_w": np.ones((4, 3, 3, 3), np.float32), "stem_bn_s": np.ones(4, np.float32),
+             "stem_bn_b": np.zeros(4, np.float32), "stem_bn_rm": np.zeros(4, np.float32),
+             "stem_bn_riv": np.ones(4, np.float32), "head_w": np.ones((2, 5), np.float32),
+             "extra_w": np.ones(1, np.float32)}
+    nn = torch.nn
+    target = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Linear(4, 2))
+    rules = [(r"stem", "0"), (r"stem_bn", "1"), (r"head", "2")]
+    state, report = caffe2_to_torch(blobs, rules=rules, target=target)
+    assert report.unmatched == ["extra_w"]
+    assert report.shape_mismatches == [("head_w", "2.weight", (2, 5), (2, 4))]
+    assert sorted(report.missing) == ["2.bias"] and "2.weight" not in state
+    assert not report.ok and "head_w" in str(report)
+    names = {"stem": "conv", "stem_bn": "bn"}
+    callable_state, callable_report = caffe2_to_torch(blobs, rules=names.get)
+    assert sorted(callable_report.unmatched) == ["extra_w", "head_w"]
+    assert callable_state["bn.running_var"].numpy().tobytes() == blobs["stem_bn_riv"].tobytes()
+    with pytest.raises(CheckpointError, match="both map to"):
+        caffe2_to_torch(blobs, rules=[(r"stem.*", "0")], require_bn_stats=False)
+
+
+def test_save_to_open_file_and_refuse_non_numeric(tmp_path):
+    blobs = {"pred_b": torch.arange(3, dtype=torch.float32), "pred_w": np.eye(3, dtype=np.float32)}
+    handle = io.BytesIO()
+    save_caffe2_pickle(blobs, handle)
+    path = tmp_path / "stream.pkl"
+    path.write_bytes(handle.getvalue())
+    loaded = load_caffe2_pickle(path)
+    assert loaded["pred_b"].tobytes() == blobs["pred_b"].numpy().tobytes()
+    with pytest.raises(CheckpointError, match="'cfg'"):
+        save_caffe2_pickle({"cfg": {"a": 1}}, path)
+    assert load_caffe2_pickle(path).keys() == loaded.keys()
+
+
+@pytest.mark.main_env
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
+def test_builtin_rules_cover_torchvision_resnets(arch):
+    import torchvision
+
+    model = getattr(torchvision.models, arch)()
+    blobs, to_caffe2 = torch_to_caffe2(model.state_dict())
+    assert not to_caffe2.unmatched and "res5_1_branch2b_bn_riv" in blobs and "pred_w" in blobs
+    state, to_torch = caffe2_to_torch(blobs, target=model)
+    assert to_torch.ok, str(to_torch)
+    for key, value in state.items():
+        assert value.numpy().tobytes() == model.state_dict()[key].numpy().tobytes(), key
