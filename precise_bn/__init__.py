@@ -22,6 +22,7 @@ from .errors import (
 )
 from .estimator import PopulationStats
 from .helper import BatchNormHelper
+from .hooks import PreciseBNHook
 from .report import BNReport, LayerReport
 from .torch_backend import get_bn_modules, select_layers, update_bn, update_bn_stats
 
@@ -38,6 +39,7 @@ __all__ = [
     "NonFiniteStatsError",
     "PopulationStats",
     "PreciseBNError",
+    "PreciseBNHook",
     "PreciseBNWarning",
     "UnsafeCheckpointError",
     "get_bn_modules",

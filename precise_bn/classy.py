@@ -1,0 +1,106 @@
+"""``PreciseBatchNormHook``: a drop-in for ClassyVision's hook of the same name.
+
+    from precise_bn.classy import PreciseBatchNormHook
+    task.set_hooks([PreciseBatchNormHook(num_samples=4096), CheckpointHook(...)])
+
+Same constructor arguments and schedule as ClassyVision's: at the end of every training phase
+the task's base model is recomputed on ``num_samples`` samples per replica, either cached from
+the phase's own batches (``cache_samples=True``) or read from a fresh training dataloader, and
+the model is fed ``sample["input"]``. ClassyVision runs checkpoint hooks after the others, so
+the phase's checkpoint carries the new stats.
+
+What differs: ClassyVision's hook averages per-batch means and variances (fvcore), which is
+biased and ignores the spread of the batch means; this one writes the population statistics
+of all the samples seen, and with an initialised process group merges every replica's
+samples exactly, so all replicas end with identical stats.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, Iterator, List
+
+import torch
+from torch import nn
+
+from .data import count_samples, move_to_device
+from .errors import BackendUnavailableError, ConfigError
+from .torch_backend import update_bn_stats
+
+try:
+    from classy_vision.hooks import ClassyHook
+except ImportError as error:
+    raise BackendUnavailableError(
+        "precise_bn.classy needs ClassyVision: pip install 'precise-bn[classy]' "
+        "(or pip install classy_vision==0.7.0)"
+    ) from error
+
+logger = logging.getLogger("precise_bn")
+
+
+def _forward_input(model: nn.Module, model_input: Any) -> Any:
+    return model(model_input)
+
+
+def _inputs(samples: Iterable[Dict[str, Any]]) -> Iterator[Any]:
+    for sample in samples:
+        yield sample["input"]
+
+
+class PreciseBatchNormHook(ClassyHook):
+    """Recompute the base model's BN stats at the end of each training phase.
+
+    Args:
+        num_samples: samples per replica to measure on (the batch that crosses it is used
+            whole). A phase or a dataset shorter than that gives fewer, with a warning.
+        cache_samples: keep the inputs of the phase's first ``num_samples`` training samples on
+            the CPU and measure on them, instead of building a new training dataloader at
+            the end of the phase (more memory, no second pass over the dataset).
+        **options: passed to :func:`precise_bn.update_bn_stats` (``exact``, ``autocast``...).
+    """
+
+    on_end = ClassyHook._noop
+
+    def __init__(self, num_samples: int, cache_samples: bool = False, **options: Any) -> None:
+        super().__init__()
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
+            raise ConfigError("num_samples must be a positive integer, got {!r}".format(num_samples))
+        self.num_samples = num_samples
+        self.cache_samples = cache_samples
+        self.options = options
+        self._cached: List[Any] = []
+        self._cached_samples = 0
+
+    def on_start(self, task: Any) -> None:
+        logger.info(
+            "precise-bn: recomputing BN stats at the end of each training phase on %d samples "
+            "per replica (%s)",
+            self.num_samples,
+            "cached from the phase" if self.cache_samples else "read from a new dataloader",
+        )
+
+    def on_phase_start(self, task: Any) -> None:
+        self._cached = []
+        self._cached_samples = 0
+
+    def on_step(self, task: Any) -> None:
+        if not (task.train and self.cache_samples) or self._cached_samples >= self.num_samples:
+            return
+        model_input = move_to_device(task.last_batch.sample["input"], torch.device("cpu"))
+        self._cached.append(model_input)
+        self._cached_samples += count_samples(model_input)
+
+    def on_phase_end(self, task: Any) -> None:
+        if not task.train:
+            return
+        if self.cache_samples:
+            inputs: Iterable[Any] = self._cached
+            self._cached = []
+        else:
+            task.build_dataloaders_for_current_phase()
+            inputs = _inputs(task.dataloader)
+        options = dict(self.options)
+        options.setdefault("device", "cuda" if task.use_gpu else None)
+        update_bn_stats(
+            task.base_model, inputs, num_iters=None, num_samples=self.num_samples,
+            forward_fn=_forward_input, **options
+        )

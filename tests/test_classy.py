@@ -1,0 +1,107 @@
+"""precise_bn.classy.PreciseBatchNormHook in a real ClassyVision ClassificationTask on CPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from classy_vision.dataset import ClassyDataset
+from classy_vision.hooks import ClassyHook
+from classy_vision.losses import build_loss
+from classy_vision.models import ClassyModel
+from classy_vision.optim import build_optimizer
+from classy_vision.tasks import ClassificationTask
+from classy_vision.trainer import LocalTrainer
+from torch import nn
+
+from precise_bn import ConfigError, update_bn_stats
+from precise_bn.classy import PreciseBatchNormHook
+from reference import assert_close_default, float64_reference
+
+pytestmark = pytest.mark.main_env
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, 6, 6, generator=g) * 2 + 1
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input": self.x[i], "target": self.y[i]}
+
+
+def classy_dataset(samples: Samples) -> ClassyDataset:
+    dataset = ClassyDataset(samples, batchsize_per_replica=8, shuffle=False, transform=None, num_samples=None)
+    dataset.set_num_workers(0)
+    return dataset
+
+
+class SnapshotAfterTrainPhase(ClassyHook):
+    """Keeps a copy of the base model at the end of each training phase (runs after ours)."""
+
+    on_start = on_phase_start = on_step = on_end = ClassyHook._noop
+
+    def __init__(self):
+        super().__init__()
+        self.models = []
+
+    def on_phase_end(self, task) -> None:
+        if task.train:
+            self.models.append(copy.deepcopy(task.base_model))
+
+
+def bn_stats(model: nn.Module):
+    return {
+        name: (m.running_mean.clone(), m.running_var.clone())
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+
+
+@pytest.mark.parametrize("cache_samples", [False, True])
+def test_stats_after_each_training_phase_match_update_bn_stats(cache_samples):
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3), nn.BatchNorm1d(3)
+    )
+    train = Samples(40, seed=1)
+    snapshots = SnapshotAfterTrainPhase()
+    optimizer = build_optimizer(
+        {"name": "sgd", "num_epochs": 2, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False,
+         "param_schedulers": {"lr": {"name": "constant", "value": 0.2}}}
+    )
+    task = (
+        ClassificationTask()
+        .set_model(ClassyModel.from_model(net))
+        .set_loss(build_loss({"name": "CrossEntropyLoss"}))
+        .set_optimizer(optimizer)
+        .set_dataset(classy_dataset(train), "train")
+        .set_dataset(classy_dataset(Samples(16, seed=2)), "test")
+        .set_num_epochs(2)
+        .set_use_gpu(False)
+        .set_meters([])
+        .set_hooks([PreciseBatchNormHook(num_samples=20, cache_samples=cache_samples), snapshots])
+    )
+    LocalTrainer().train(task)
+
+    # 20 samples in batches of 8: the first three batches of the (unshuffled) training data
+    inputs = [train.x[i : i + 8] for i in (0, 8, 16)]
+    assert len(snapshots.models) == 2
+    for phase, model in enumerate(snapshots.models):
+        saved = bn_stats(model)
+        replay = copy.deepcopy(model)
+        update_bn_stats(replay, inputs, num_iters=None)
+        for name, (mean, var) in bn_stats(replay).items():
+            assert torch.equal(saved[name][0], mean) and torch.equal(saved[name][1], var), (phase, name)
+        for name, (mean, var, _) in float64_reference(model, inputs).items():
+            assert_close_default(saved[name][0], saved[name][1], mean, var, what="phase {} {}".format(phase, name))
+    assert not torch.equal(bn_stats(snapshots.models[0])["model.1"][0], bn_stats(snapshots.models[1])["model.1"][0])
+
+
+def test_rejects_a_bad_sample_count():
+    with pytest.raises(ConfigError, match="num_samples"):
+        PreciseBatchNormHook(num_samples=0)

@@ -1,0 +1,234 @@
+"""PreciseBNHook: the per-step cache, periods, data wrap-around, budgets, extra models, no-BN models."""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import runpy
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from precise_bn import ConfigError, update_bn_stats
+from precise_bn.data import default_forward
+from precise_bn.hooks import PreciseBNHook
+from reference import assert_close_default, float64_reference
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5), nn.BatchNorm1d(5)
+    )
+
+
+def make_batches(n: int, size: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 3, 6, 6, generator=g) * (1 + i) + i, torch.zeros(size)) for i in range(n)]
+
+
+def bn_stats(model: nn.Module):
+    return {
+        name: (m.running_mean.clone(), m.running_var.clone())
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+
+
+def assert_same_stats(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name][0], b[name][0]), name
+        assert torch.equal(a[name][1], b[name][1]), name
+
+
+def expected_stats(model: nn.Module, batches):
+    """update_bn_stats on a copy with the same weights and batches, checked against float64."""
+    ref = copy.deepcopy(model)
+    update_bn_stats(ref, batches, num_iters=None)
+    stats = bn_stats(ref)
+    for name, (mean, var, _) in float64_reference(model, batches).items():
+        assert_close_default(stats[name][0], stats[name][1], mean, var, what=name)
+    return stats
+
+
+class Recorder:
+    """A forward_fn that remembers which batch each model got, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, model, batch):
+        self.calls.append((model, batch))
+        return default_forward(model, batch)
+
+    def batches_of(self, model):
+        return [batch for m, batch in self.calls if m is model]
+
+
+def count_forwards(model: nn.Module):
+    """Count calls of ``model`` itself (deep copies carry the hook but are not counted)."""
+    counter = [0]
+
+    def hook(module, _inputs):
+        counter[0] += module is model
+
+    model.register_forward_pre_hook(hook)
+    return counter
+
+
+def test_same_step_reapplies_cached_stats_without_forward():
+    model, batches = make_model(), make_batches(6)
+    recorder = Recorder()
+    hook = PreciseBNHook(model, batches, num_iters=3, forward_fn=recorder)
+    forwards = count_forwards(model)
+
+    report = hook.before_eval(10)
+    assert report is not None and forwards[0] == 3 and hook.recomputations == 1
+    evaluated = bn_stats(model)
+    assert_same_stats(evaluated, expected_stats(model, batches[:3]))
+
+    model.train()(torch.randn(4, 3, 6, 6) * 5)  # a training forward moves the running stats
+    assert not torch.equal(bn_stats(model)["1"][0], evaluated["1"][0])
+    assert hook.before_checkpoint(10) is report
+    assert forwards[0] == 4 and hook.recomputations == 1  # only the training forward above
+    assert_same_stats(bn_stats(model), evaluated)
+
+    hook.before_checkpoint(11)
+    assert forwards[0] == 7 and hook.recomputations == 2
+    assert recorder.batches_of(model)[3:] == batches[3:6]
+    assert_same_stats(bn_stats(model), expected_stats(model, batches[3:6]))
+
+
+def test_periods_let_the_loop_call_every_step():
+    model = make_model()
+    hook = PreciseBNHook(model, make_batches(4), num_iters=2, eval_period=3, checkpoint_period=4)
+    forwards = count_forwards(model)
+    evaluated, saved = [], []
+    for step in range(1, 13):
+        if hook.before_eval(step) is not None:
+            evaluated.append(step)
+        if hook.before_checkpoint(step) is not None:
+            saved.append(step)
+    assert evaluated == [3, 6, 9, 12] and saved == [4, 8, 12]
+    assert forwards[0] == 12 and hook.recomputations == 6  # step 12's checkpoint reused its evaluation
+
+
+@pytest.mark.parametrize("kind", ["list", "dataloader"])
+def test_wraps_around_a_short_finite_source(kind):
+    model = make_model()
+    batches = make_batches(3)
+    if kind == "list":
+        data = batches
+    else:
+        data = DataLoader(TensorDataset(torch.cat([x for x, _ in batches]), torch.zeros(12)), batch_size=4)
+    recorder = Recorder()
+    hook = PreciseBNHook(model, data, num_iters=5, forward_fn=recorder)
+    hook.before_eval(1)
+    first = bn_stats(model)
+    hook.before_eval(2)
+    used = [x for x, _ in recorder.batches_of(model)]
+    order = [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    assert len(used) == 10
+    for got, index in zip(used, order):
+        assert torch.equal(got, batches[index][0])
+    assert_same_stats(first, expected_stats(model, [batches[i] for i in order[:5]]))
+    assert_same_stats(bn_stats(model), expected_stats(model, [batches[i] for i in order[5:]]))
+
+
+def test_num_samples_budget():
+    model = make_model()
+    hook = PreciseBNHook(model, make_batches(5, size=4), num_iters=None, num_samples=10)
+    report = hook.before_eval(1)
+    assert report.batches == 3 and report.samples == 12  # the batch crossing the budget is used whole
+
+
+def test_model_without_bn_turns_the_hook_off(caplog):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    forwards = count_forwards(model)
+    hook = PreciseBNHook(model, [torch.randn(2, 3)])
+    with caplog.at_level(logging.INFO, logger="precise_bn"):
+        assert hook.before_eval(1) is None
+        assert hook.before_checkpoint(2) is None
+        assert hook.before_eval(3) is None
+    assert not hook.enabled and forwards[0] == 0
+    assert len(caplog.records) == 1 and "no BatchNorm layer" in caplog.records[0].getMessage()
+
+
+def test_extra_model_recomputed_on_the_same_batches():
+    model, batches = make_model(), make_batches(5)
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.9).add_(0.05)
+    ema.eval()  # EMA copies usually stay in eval mode: all their BN layers are recomputed
+    recorder = Recorder()
+    hook = PreciseBNHook(model, batches, num_iters=3, extra_models=[ema], forward_fn=recorder)
+    hook.before_eval(1)
+    hook.before_eval(2)
+    for seen in (recorder.batches_of(model), recorder.batches_of(ema)):
+        assert len(seen) == 6 and all(a is b for a, b in zip(seen, batches + batches[:1]))
+    assert_same_stats(bn_stats(model), expected_stats(model, batches[3:] + batches[:1]))
+    assert_same_stats(bn_stats(ema), expected_stats(ema, batches[3:] + batches[:1]))
+    assert not ema.training and not any(m.training for m in ema.modules())
+    assert set(hook.cached_stats) == {"model.1", "model.5", "extra_0.1", "extra_0.5"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"eval_period": 0}, "eval_period"),
+        ({"checkpoint_period": 1.5}, "checkpoint_period"),
+        ({"num_iters": 0}, "num_iters"),
+        ({"num_iters": None}, "num_samples"),
+    ],
+)
+def test_rejects_bad_arguments(kwargs, name):
+    with pytest.raises(ConfigError, match=name):
+        PreciseBNHook(make_model(), make_batches(1), **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{}".format(port), rank=rank, world_size=2)
+    try:
+        model = make_model()
+        hook = PreciseBNHook(model, make_batches(4, seed=10 + rank), num_iters=2 + rank)
+        hook.before_eval(1)
+        torch.save(bn_stats(model), os.path.join(out, "rank{}.pt".format(rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_merges_across_ranks_when_a_process_group_exists(tmp_path):
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    stats = [torch.load(tmp_path / "rank{}.pt".format(rank)) for rank in (0, 1)]
+    assert_same_stats(stats[0], stats[1])
+    union = make_batches(4, seed=10)[:2] + make_batches(4, seed=11)[:3]
+    for name, (mean, var, _) in float64_reference(make_model(), union).items():
+        assert_close_default(stats[0][name][0], stats[0][name][1], mean, var, what=name)
+
+
+@pytest.mark.main_env
+def test_example_training_script(tmp_path, monkeypatch, capsys):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_with_precise_bn.py"
+    args = ["--steps", "20", "--eval-every", "10", "--save-every", "10", "--bn-batches", "3", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [str(script)] + args)
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("test acc") == 2 and out.count("(evaluated stats)") == 2
+    saved = torch.load(tmp_path / "step_20.pt", weights_only=True)
+    assert saved["step"] == 20 and "1.running_var" in saved["ema"]

@@ -1,0 +1,186 @@
+"""PreciseBNCallback in a real lightning.Trainer on CPU: validation and checkpoints share the stats."""
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from precise_bn import BackendUnavailableError, ConfigError, PreciseBNWarning, update_bn_stats
+from precise_bn.data import default_forward
+from precise_bn.lightning import PreciseBNCallback
+from reference import assert_close_default, float64_reference
+
+pytestmark = pytest.mark.main_env
+
+
+def bn_stats(module: nn.Module):
+    return {
+        name: (m.running_mean.clone(), m.running_var.clone())
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+
+
+class TinyNet(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3), nn.BatchNorm1d(3)
+        )
+        self.validated = {}  # global step -> BN stats seen by validation_step
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        if not self.trainer.sanity_checking:
+            self.validated.setdefault(self.global_step, bn_stats(self.model))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+
+def loader(n: int, seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 6, 6, generator=g) * 3 + 2
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (n,), generator=g)), batch_size=8)
+
+
+@pytest.mark.parametrize("attribute", [None, "model"])
+def test_checkpoints_carry_the_stats_validation_used(tmp_path: Path, attribute):
+    torch.manual_seed(0)
+    net = TinyNet()
+    used = {}  # global step -> batches of that recomputation
+
+    def recording_forward(module, batch):
+        used.setdefault(trainer.global_step, []).append(batch)
+        return default_forward(module, batch)
+
+    callback = PreciseBNCallback(num_iters=3, attribute=attribute, forward_fn=recording_forward)
+    trainer = lightning.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[
+            callback,
+            ModelCheckpoint(dirpath=tmp_path / "epoch", save_top_k=-1),
+            ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=3, save_top_k=-1),
+        ],
+    )
+    trainer.fit(net, loader(32, seed=1), loader(16, seed=2))
+
+    # 4 steps per epoch: mid-epoch checkpoints at steps 3 and 6, validation + checkpoint at 4 and 8
+    assert sorted(used) == [3, 4, 6, 8] and callback.hook.recomputations == 4
+    assert sorted(net.validated) == [4, 8]
+    files = sorted(tmp_path.glob("*/*.ckpt"))
+    assert sorted(int(f.stem.split("step=")[1]) for f in files) == [3, 4, 6, 8]
+    for path in files:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        step = checkpoint["global_step"]
+        replay = TinyNet()
+        replay.load_state_dict(checkpoint["state_dict"])
+        saved = bn_stats(replay.model)
+        assert len(used[step]) == 3
+        update_bn_stats(replay.model, used[step], num_iters=None)
+        for name, (mean, var) in bn_stats(replay.model).items():
+            assert torch.equal(saved[name][0], mean) and torch.equal(saved[name][1], var), (path, name)
+            if step in net.validated:
+                seen = net.validated[step][name]
+                assert torch.equal(seen[0], mean) and torch.equal(seen[1], var), (path, name)
+        for name, (mean, var, _) in float64_reference(replay.model, used[step]).items():
+            assert_close_default(saved[name][0], saved[name][1], mean, var, what="{} {}".format(path.name, name))
+
+
+def test_stats_written_into_a_collected_copy_of_the_state_dict():
+    """Strategies that gather copies: the callback must write its stats into the dict itself."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    trainer = lightning.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, limit_val_batches=0,
+    )
+    callback = PreciseBNCallback(num_iters=2, data=loader(16, seed=3))
+    trainer.fit(net, loader(16, seed=1))
+    collected = copy.deepcopy(net.state_dict())
+    checkpoint = {"state_dict": dict(collected)}
+    callback.on_save_checkpoint(trainer, net, checkpoint)
+    precise = bn_stats(net)
+    assert precise.keys() == {"model.1", "model.5"}
+    for name, (mean, var) in precise.items():
+        assert torch.equal(checkpoint["state_dict"][name + ".running_mean"], mean)
+        assert torch.equal(checkpoint["state_dict"][name + ".running_var"], var)
+        assert not torch.equal(collected[name + ".running_var"], var)
+
+
+def test_ddp_merges_every_rank_shard(tmp_path: Path):
+    """Two spawned CPU ranks (gloo): each recomputes on its shard; the file holds the merged stats."""
+    torch.manual_seed(0)
+    train = loader(32, seed=1)  # 2 ranks x 2 batches of 8: each recomputation sees every sample
+    trainer = lightning.Trainer(
+        max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn", enable_progress_bar=False,
+        enable_model_summary=False, logger=False, num_sanity_val_steps=0,
+        callbacks=[PreciseBNCallback(num_iters=2), ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)],
+    )
+    trainer.fit(TinyNet(), train, loader(16, seed=2))
+    (path,) = tmp_path.glob("*.ckpt")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    replay = TinyNet()
+    replay.load_state_dict(checkpoint["state_dict"])
+    saved = bn_stats(replay.model)
+    # Lightning's sampler shuffles the shards, so only the first BN layer, whose input does not
+    # depend on which samples share a batch, can be replayed: over all 32 samples, not one shard.
+    mean, var, count = float64_reference(replay.model, [x for x, _ in train], names=["1"])["1"]
+    assert count == 32 * 4 * 4
+    assert_close_default(saved["1"][0], saved["1"][1], mean, var, what="merged layer 1")
+
+
+def test_validate_without_training_data_leaves_the_stats_and_warns():
+    net = TinyNet()
+    before = bn_stats(net)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
+        callbacks=[PreciseBNCallback(num_iters=2)],
+    )
+    with pytest.warns(PreciseBNWarning, match="no training dataloader"):
+        trainer.validate(net, loader(16, seed=2), verbose=False)
+    for name, (mean, var) in bn_stats(net).items():
+        assert torch.equal(mean, before[name][0]) and torch.equal(var, before[name][1])
+
+
+def test_unknown_attribute_is_named():
+    with pytest.raises(ConfigError, match="'backbone'"):
+        PreciseBNCallback(attribute="backbone").target(TinyNet())
+
+
+def test_falls_back_to_pytorch_lightning_then_names_the_install(monkeypatch):
+    import pytorch_lightning
+
+    import precise_bn
+
+    monkeypatch.setattr(precise_bn, "lightning", sys.modules["precise_bn.lightning"])  # restored afterwards
+    monkeypatch.delitem(sys.modules, "precise_bn.lightning")
+    for name in ("lightning", "lightning.pytorch"):
+        monkeypatch.setitem(sys.modules, name, None)
+    fallback = importlib.import_module("precise_bn.lightning")
+    assert issubclass(fallback.PreciseBNCallback, pytorch_lightning.Callback)
+
+    monkeypatch.delitem(sys.modules, "precise_bn.lightning")
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    with pytest.raises(BackendUnavailableError, match="pip install"):
+        importlib.import_module("precise_bn.lightning")
