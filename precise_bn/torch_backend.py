@@ -13,9 +13,12 @@ How one call's statistics are read, and why it is free:
 * ``exact=True``: a forward pre-hook computes each call's mean and biased variance from the BN
   input itself in float64 (``var_mean`` on a float64 copy), so the result matches a float64
   reference to ~1e-7 even when mean/std = 1e4.
-* SyncBatchNorm layers are always measured from their local input. Across ranks, the union
-  merge of local inputs is exactly the global population, and no global element count (which
-  the kernel keeps to itself) is needed for the Bessel factor.
+* SyncBatchNorm layers run as plain BatchNorm during the pass (``_BatchNorm.forward`` is bound
+  on the instance until the pass ends): a call normalises with its own rank's batch and issues
+  no collective. A per-call all-gather would pair up with another rank's merge or hang as soon
+  as ranks have different numbers of batches; and normalising each rank's batch alone is what
+  one process does over the union of the ranks' batches. Their stats are then read like any
+  other layer's and merged across ranks once, at the end of the pass.
 
 The pass runs inside :class:`BNPass`, which snapshots every buffer of the model, momentum and
 train flags and removes its hooks on exit, so a failure or ``KeyboardInterrupt`` anywhere leaves
@@ -27,6 +30,7 @@ import contextlib
 import logging
 import threading
 import time
+import types
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -143,6 +147,7 @@ class BNPass:
         self._handles: List[Any] = []
         self._saved_buffers: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._saved_flags: List[Tuple[Optional[float], bool]] = []
+        self._local_forwards: List[nn.Module] = []
         self._results: Optional[List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = None
 
     def __enter__(self) -> "BNPass":
@@ -160,7 +165,10 @@ class BNPass:
                 # 0 * NaN is NaN: start from finite buffers so a broken old value cannot leak in.
                 module.running_mean.zero_()
                 module.running_var.fill_(1.0)
-                if self.exact or isinstance(module, nn.SyncBatchNorm):
+                if isinstance(module, nn.SyncBatchNorm) and "forward" not in vars(module):
+                    module.forward = types.MethodType(_BatchNorm.forward, module)
+                    self._local_forwards.append(module)
+                if self.exact:
                     handle = module.register_forward_pre_hook(self._input_hook(stats))
                 else:
                     handle = module.register_forward_hook(self._kernel_hook(stats))
@@ -204,6 +212,9 @@ class BNPass:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module in self._local_forwards:
+            del module.forward
+        self._local_forwards = []
         for (_, module), (momentum, training) in zip(self.layers, self._saved_flags):
             module.momentum = momentum
             module.train(training)
@@ -316,13 +327,14 @@ def update_bn_stats(
         NonFiniteStatsError: a layer saw NaN/Inf; names the layer; the model is unchanged.
     """
     check_budget(num_iters, num_samples)
-    sync = distributed.resolve_sync(sync)
+    sync = distributed.resolve_sync(sync, group)
     net = unwrap_model(model)
     chosen = select_layers(net, layers)
     if not chosen:
         logger.warning("no BatchNorm layer to recompute (none tracks running stats in training mode)")
-        return BNReport(world_size=distributed.get_world_size() if sync else 1)
-    has_batch, batches = peek(iter(data_loader))
+        return BNReport(world_size=distributed.get_world_size(group) if sync else 1)
+    with distributed.abort_merge_on_error(sync, group):
+        has_batch, batches = peek(iter(data_loader))
     if not has_batch and not sync:
         raise EmptyDataError("the data loader gave no batch: nothing to measure, model unchanged")
     forward = forward_fn or default_forward
@@ -339,7 +351,9 @@ def update_bn_stats(
     old = [(m.running_mean.double().cpu(), m.running_var.double().cpu()) for _, m in chosen]
     with BNPass(net, chosen, exact=exact) as bn_pass:
         tick = time.perf_counter()
-        with torch.no_grad(), _autocast_context(autocast, net):
+        with distributed.abort_merge_on_error(sync, group), torch.no_grad(), _autocast_context(
+            autocast, net
+        ):
             for batch, samples in take_budget(batches, num_iters, num_samples):
                 forward(net, move_to_device(batch, target_device))
                 seen_batches += 1
@@ -354,9 +368,11 @@ def update_bn_stats(
                     tick = now
         if bar is not None:
             bar.close()
-        stats, total_batches = bn_pass.stats, seen_batches
+        stats, total_batches, total_samples = bn_pass.stats, seen_batches, seen_samples
         if sync:
-            stats, total_batches = distributed.merge_stats(stats, seen_batches, group)
+            stats, total_batches, total_samples = distributed.merge_ranks(
+                stats, seen_batches, seen_samples, group
+            )
         if total_batches == 0:
             raise EmptyDataError(
                 "no rank's data loader gave a batch: nothing to measure, model unchanged"
@@ -366,7 +382,7 @@ def update_bn_stats(
         bn_pass.commit(results)
     report = BNReport(
         batches=total_batches,
-        samples=seen_samples,
+        samples=total_samples,
         world_size=distributed.get_world_size(group) if sync else 1,
         estimator="exact" if exact else "kernel",
     )

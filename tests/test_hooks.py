@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import runpy
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -192,34 +189,6 @@ def test_extra_model_recomputed_on_the_same_batches():
 def test_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ConfigError, match=name):
         PreciseBNHook(make_model(), make_batches(1), **kwargs)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{}".format(port), rank=rank, world_size=2)
-    try:
-        model = make_model()
-        hook = PreciseBNHook(model, make_batches(4, seed=10 + rank), num_iters=2 + rank)
-        hook.before_eval(1)
-        torch.save(bn_stats(model), os.path.join(out, "rank{}.pt".format(rank)))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_merges_across_ranks_when_a_process_group_exists(tmp_path):
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    stats = [torch.load(tmp_path / "rank{}.pt".format(rank)) for rank in (0, 1)]
-    assert_same_stats(stats[0], stats[1])
-    union = make_batches(4, seed=10)[:2] + make_batches(4, seed=11)[:3]
-    for name, (mean, var, _) in float64_reference(make_model(), union).items():
-        assert_close_default(stats[0][name][0], stats[0][name][1], mean, var, what=name)
 
 
 @pytest.mark.main_env

@@ -1,0 +1,21 @@
+"""Keep each environment from importing test modules written for the other one.
+
+A module whose every test needs packages of one environment marks itself with
+``pytestmark = pytest.mark.main_env`` (or ``caffe2_env``) and may import those packages at the
+top. Deselecting by marker happens only after a module is imported, so such a module is not
+even collected when the run's ``-m`` expression excludes its marker.
+"""
+from __future__ import annotations
+
+ENV_MARKERS = ("main_env", "caffe2_env")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    markexpr = config.getoption("markexpr") or ""
+    text = collection_path.read_text(encoding="utf-8")
+    for marker in ENV_MARKERS:
+        if "pytestmark = pytest.mark." + marker in text and "not " + marker in markexpr:
+            return True
+    return None

@@ -1,0 +1,255 @@
+"""Code the distributed tests run inside each spawned rank, and the data both sides agree on.
+
+The parent test process and every rank build the same model and the same per-rank batches from
+fixed seeds, so the parent can compute the float64 reference over the union of the ranks'
+batches while the ranks only report what they ended with.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from precise_bn import BatchNormHelper, PreciseBNHook, update_bn_stats
+from precise_bn.distributed import all_reduce_mean
+
+Result = Dict[str, Any]
+
+# Batch sizes per rank (rank r uses row r): uneven counts and sizes, and one layout where
+# rank 1 gets nothing at all.
+UNEVEN = [[5, 3, 7], [4], [6, 2]]
+RANK1_EMPTY = [[5, 3], [], [4, 6, 2]]
+HELPER_ITERS = 2
+
+
+def make_model(sync_bn: bool = False) -> nn.Module:
+    """Two BatchNorm2d layers and a BatchNorm1d (layers ``1``, ``4``, ``9``); fixed weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 5),
+        nn.BatchNorm1d(5),
+    )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync_bn else model
+
+
+def bn_names(model: nn.Module) -> List[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def rank_batches(sizes: List[List[int]], rank: int) -> List[torch.Tensor]:
+    """Rank ``rank``'s batches: shifted and scaled per channel so no statistic is trivial."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    shift = torch.tensor([3.0, -1.0, 0.5]).view(1, 3, 1, 1)
+    return [torch.randn(n, 3, 6, 6, generator=gen) * 2.0 + shift for n in sizes[rank]]
+
+
+def union_batches(sizes: List[List[int]], world: int) -> List[torch.Tensor]:
+    return [b for rank in range(world) for b in rank_batches(sizes, rank)]
+
+
+def cycled(batches: List[torch.Tensor], iters: int) -> List[torch.Tensor]:
+    """What an endless cycle over ``batches`` yields in ``iters`` steps (none if empty)."""
+    return [batches[i % len(batches)] for i in range(iters)] if batches else []
+
+
+def outcome(model: nn.Module, report=None) -> Result:
+    """The BN buffers the model ends with and, if given, the report's merged float64 stats."""
+    out: Result = {
+        "buffers": {
+            name: (m.running_mean.detach().clone(), m.running_var.detach().clone())
+            for name, m in model.named_modules()
+            if isinstance(m, _BatchNorm)
+        }
+    }
+    if report is not None:
+        out["batches"] = report.batches
+        out["samples"] = report.samples
+        out["world_size"] = report.world_size
+        out["layers"] = {
+            layer.name: (layer.new_mean, layer.new_var, layer.elements, layer.calls)
+            for layer in report.layers
+        }
+    return out
+
+
+def raised(model: nn.Module, run: Callable[[], Any]) -> Result:
+    """Call ``run``; report the error it raised and whether the BN buffers kept their bits."""
+    before = outcome(model)["buffers"]
+    try:
+        run()
+    except Exception as exc:
+        after = outcome(model)["buffers"]
+        unchanged = all(torch.equal(before[k][i], after[k][i]) for k in before for i in (0, 1))
+        return {"error": type(exc).__name__, "message": str(exc), "unchanged": unchanged}
+    return {"error": None}
+
+
+def _plain(rank: int, world: int, **options: Any) -> Result:
+    model = make_model()
+    return outcome(model, update_bn_stats(model, rank_batches(UNEVEN, rank), **options))
+
+
+def _ddp(rank: int, world: int, broadcast_buffers: bool) -> Result:
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers)
+    out = outcome(model, update_bn_stats(ddp, rank_batches(UNEVEN, rank)))
+    # The wrapper still trains: a forward issues its buffer broadcast and backward all-reduces
+    # the gradients of different per-rank batches into the same average on every rank.
+    ddp.train()
+    ddp(rank_batches([[4]] * world, rank)[0]).pow(2).mean().backward()
+    out["grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return out
+
+
+def _empty_rank(rank: int, world: int) -> Result:
+    model = make_model()
+    return outcome(model, update_bn_stats(model, rank_batches(RANK1_EMPTY, rank)))
+
+
+def _all_empty(rank: int, world: int) -> Result:
+    model = make_model()
+    return raised(model, lambda: update_bn_stats(model, []))
+
+
+def _helper(rank: int, world: int) -> Result:
+    model = make_model()
+    helper = BatchNormHelper(iters=HELPER_ITERS)
+    helper.create_bn_aux_model(model, rank_batches(UNEVEN, rank))
+    return outcome(model, helper.compute_and_update_bn_stats(curr_iter=1))
+
+
+def _hook(rank: int, world: int) -> Result:
+    model = make_model()
+    hook = PreciseBNHook(model, rank_batches(UNEVEN, rank), num_iters=HELPER_ITERS)
+    return outcome(model, hook.before_eval(1))
+
+
+def _syncbn(rank: int, world: int) -> Result:
+    model = make_model(sync_bn=True)
+    out = outcome(model, update_bn_stats(model, rank_batches(UNEVEN, rank)))
+    out["forward_restored"] = all(
+        "forward" not in vars(m) for m in model.modules() if isinstance(m, nn.SyncBatchNorm)
+    )
+    return out
+
+
+def _subgroup(rank: int, world: int) -> Result:
+    """Ranks 0 and 1 merge over a group of their own; any other rank recalibrates alone."""
+    group = dist.new_group([0, 1])  # a collective: every rank creates it
+    model = make_model()
+    options: Dict[str, Any] = {"group": group} if rank < 2 else {"sync": False}
+    return outcome(model, update_bn_stats(model, rank_batches(UNEVEN, rank), **options))
+
+
+def _all_reduce_mean(rank: int, world: int) -> Result:
+    value = torch.tensor([rank + 1.0, 10.0 * rank, 0.25], dtype=torch.float64)
+    returned = all_reduce_mean(value)
+    return {"value": value, "same_object": returned is value}
+
+
+def _layout_mismatch(rank: int, world: int) -> Result:
+    model = make_model()
+    layers = None if rank == 0 else bn_names(model)[:1]
+    return raised(model, lambda: update_bn_stats(model, rank_batches(UNEVEN, rank), layers=layers))
+
+
+class _FailingLoader:
+    """Yields the rank's first ``good`` batches, then raises (a corrupt file on one rank)."""
+
+    def __init__(self, batches: List[torch.Tensor], good: int):
+        self.batches = batches
+        self.good = good
+
+    def __iter__(self):
+        for batch in self.batches[: self.good]:
+            yield batch
+        raise OSError("cannot read batch {} on this rank".format(self.good))
+
+
+def _failure(rank: int, world: int) -> Result:
+    """Rank 1's loader fails: on its first batch with 2 ranks, on its second with 3."""
+    model = make_model()
+    batches = rank_batches(UNEVEN, rank)
+    loader = _FailingLoader(batches, good=world - 2) if rank == 1 else batches
+    return raised(model, lambda: update_bn_stats(model, loader))
+
+
+SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
+    "kernel": _plain,
+    "exact": lambda rank, world: _plain(rank, world, exact=True),
+    "per_rank": lambda rank, world: _plain(rank, world, sync=False),
+    "ddp": lambda rank, world: _ddp(rank, world, broadcast_buffers=True),
+    "ddp_no_broadcast": lambda rank, world: _ddp(rank, world, broadcast_buffers=False),
+    "empty_rank": _empty_rank,
+    "all_empty": _all_empty,
+    "helper": _helper,
+    "hook": _hook,
+    "syncbn": _syncbn,
+    "subgroup": _subgroup,
+    "all_reduce_mean": _all_reduce_mean,
+    "layout_mismatch": _layout_mismatch,
+    # Last: if a rank's failure were not propagated, the others would wait here forever.
+    "failure": _failure,
+}
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Join a gloo group through a file store and run every scenario, saving after each one.
+
+    Saving after each scenario keeps what finished if a later one hangs; an error is recorded
+    as that scenario's result, since the tests check which error each rank raised.
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    path = os.path.join(out_dir, "rank{}.pt".format(rank))
+    results: Dict[str, Result] = {}
+    for name, scenario in SCENARIOS.items():
+        try:
+            results[name] = scenario(rank, world)
+        except Exception as exc:
+            results[name] = {"error": type(exc).__name__, "message": str(exc)}
+        torch.save(results, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, tmp_dir: str, timeout: float) -> List[Result]:
+    """Run :func:`run_rank` on ``world`` spawned processes; kill them all past ``timeout`` s.
+
+    Returns each rank's results (scenarios that never finished are absent) and, under the key
+    ``"_finished"`` of rank 0's dict, whether every process exited cleanly in time.
+    """
+    init_file = os.path.join(tmp_dir, "store")
+    context = mp.spawn(
+        run_rank, args=(world, init_file, tmp_dir), nprocs=world, join=False
+    )
+    deadline = time.monotonic() + timeout
+    finished = False
+    try:
+        while not finished and time.monotonic() < deadline:
+            finished = context.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    results = []
+    for rank in range(world):
+        path = os.path.join(tmp_dir, "rank{}.pt".format(rank))
+        results.append(torch.load(path) if os.path.exists(path) else {})
+    results[0]["_finished"] = finished
+    return results

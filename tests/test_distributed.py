@@ -1,0 +1,258 @@
+"""Precise BN across processes: real gloo process groups on localhost, 2 and 3 ranks.
+
+One spawn per world size runs every scenario of :mod:`dist_workers` (start-up dominates the
+cost); each test below then checks one scenario's per-rank results against a float64
+reference over the union of the ranks' batches, and that all ranks hold identical bits.
+Ranks rendezvous through a file store in the test's temporary folder, so parallel runs never
+compete for a port, and the whole spawn is killed past a deadline, so a hang fails instead of
+blocking.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import dist_workers as W
+import precise_bn
+from precise_bn import ConfigError, PopulationStats, update_bn_stats
+from precise_bn import distributed
+from reference import assert_close_default, assert_close_exact, float64_reference
+
+SPAWN_TIMEOUT_S = 90.0
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(precise_bn.__file__)))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def world_runs(request, tmp_path_factory):
+    world = request.param
+    tmp_dir = str(tmp_path_factory.mktemp("world{}".format(world)))
+    return world, W.spawn_ranks(world, tmp_dir, SPAWN_TIMEOUT_S)
+
+
+def scenario(world_runs, name):
+    """One scenario's result on every rank; fails if a rank never finished it (a hang)."""
+    world, results = world_runs
+    missing = [rank for rank, r in enumerate(results) if name not in r]
+    assert not missing, "scenario {!r} never finished on rank(s) {}".format(name, missing)
+    return world, [r[name] for r in results]
+
+
+def test_all_ranks_finish_in_time(world_runs):
+    _, results = world_runs
+    assert results[0]["_finished"], "ranks were killed after {:.0f} s".format(SPAWN_TIMEOUT_S)
+
+
+def assert_identical_on_all_ranks(per_rank, what):
+    """The float32 buffers and the report's float64 stats are the same bits on every rank."""
+    first = per_rank[0]
+    for rank, other in enumerate(per_rank[1:], start=1):
+        for key in ("buffers", "layers"):
+            for name, values in first[key].items():
+                for value, theirs in zip(values, other[key][name]):
+                    same = torch.equal(value, theirs) if torch.is_tensor(value) else value == theirs
+                    assert same, "{}: layer {} {} differ on rank 0 and {}".format(what, name, key, rank)
+
+
+def assert_matches_reference(results, batches, check, what):
+    """Each result's buffers and report equal the float64 reference over ``batches``.
+
+    The reference runs the plain-BatchNorm model (same weights as the SyncBatchNorm one): during
+    the pass SyncBatchNorm must normalise each rank's batch alone, as one process would.
+    """
+    ref = float64_reference(W.make_model(), batches)
+    for result in results:
+        assert set(result["buffers"]) == set(ref)
+        for name, (ref_mean, ref_var, count) in ref.items():
+            mean, var = result["buffers"][name]
+            check(mean, var, ref_mean, ref_var, "{} layer {} buffers".format(what, name))
+            new_mean, new_var, elements, calls = result["layers"][name]
+            check(new_mean, new_var, ref_mean, ref_var, "{} layer {} report".format(what, name))
+            assert (elements, calls) == (count, len(batches)), what
+        assert result["batches"] == len(batches)
+        assert result["samples"] == sum(len(b) for b in batches)
+
+
+MERGED = {
+    "kernel": (W.UNEVEN, assert_close_default),
+    "exact": (W.UNEVEN, assert_close_exact),
+    "ddp": (W.UNEVEN, assert_close_default),
+    "ddp_no_broadcast": (W.UNEVEN, assert_close_default),
+    "empty_rank": (W.RANK1_EMPTY, assert_close_default),
+    "syncbn": (W.UNEVEN, assert_close_default),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGED))
+def test_merged_stats_equal_union_reference_and_are_identical(world_runs, name):
+    sizes, check = MERGED[name]
+    world, per_rank = scenario(world_runs, name)
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, "rank {}: {}".format(rank, result)
+        assert result["world_size"] == world
+    assert_identical_on_all_ranks(per_rank, name)
+    assert_matches_reference(per_rank, W.union_batches(sizes, world), check, name)
+
+
+def test_ddp_wrapper_still_trains_after_the_pass(world_runs):
+    for name in ("ddp", "ddp_no_broadcast"):
+        _, per_rank = scenario(world_runs, name)
+        grads = [r["grads"] for r in per_rank]
+        assert torch.isfinite(grads[0]).all() and grads[0].abs().sum() > 0
+        # Each rank stepped on its own batch: equal gradients prove DDP's all-reduce ran.
+        assert all(torch.equal(grads[0], g) for g in grads[1:]), name
+
+
+def test_syncbn_runs_locally_during_the_pass_and_is_restored(world_runs):
+    _, per_rank = scenario(world_runs, "syncbn")
+    assert all(r["forward_restored"] for r in per_rank)
+
+
+@pytest.mark.parametrize("name", ["helper", "hook"])
+def test_helper_and_hook_merge_across_ranks(world_runs, name):
+    world, per_rank = scenario(world_runs, name)
+    seen = [
+        b for rank in range(world) for b in W.cycled(W.rank_batches(W.UNEVEN, rank), W.HELPER_ITERS)
+    ]
+    assert_identical_on_all_ranks(per_rank, name)
+    assert_matches_reference(per_rank, seen, assert_close_default, name)
+
+
+def test_merge_over_a_subgroup(world_runs):
+    world, per_rank = scenario(world_runs, "subgroup")
+    assert [r["world_size"] for r in per_rank] == [2, 2] + [1] * (world - 2)
+    assert_identical_on_all_ranks(per_rank[:2], "subgroup")
+    inside = W.union_batches(W.UNEVEN, 2)
+    assert_matches_reference(per_rank[:2], inside, assert_close_default, "subgroup")
+    for rank in range(2, world):
+        alone = W.rank_batches(W.UNEVEN, rank)
+        assert_matches_reference([per_rank[rank]], alone, assert_close_default, "rank {}".format(rank))
+
+
+def test_per_rank_option_keeps_each_ranks_own_stats(world_runs):
+    world, per_rank = scenario(world_runs, "per_rank")
+    for rank, result in enumerate(per_rank):
+        assert result["world_size"] == 1
+        alone = W.rank_batches(W.UNEVEN, rank)
+        assert_matches_reference([result], alone, assert_close_default, "rank {}".format(rank))
+    assert not torch.equal(per_rank[0]["buffers"]["1"][0], per_rank[1]["buffers"]["1"][0])
+
+
+def test_no_batch_on_any_rank_raises_everywhere_and_changes_nothing(world_runs):
+    _, per_rank = scenario(world_runs, "all_empty")
+    for result in per_rank:
+        assert result["error"] == "EmptyDataError" and "no rank" in result["message"]
+        assert result["unchanged"]
+
+
+def test_layer_mismatch_raises_on_every_rank(world_runs):
+    _, per_rank = scenario(world_runs, "layout_mismatch")
+    for result in per_rank:
+        assert result["error"] == "DistributedError" and "disagree" in result["message"]
+        assert result["unchanged"]
+
+
+def test_failure_on_one_rank_raises_on_all_instead_of_hanging(world_runs):
+    world, per_rank = scenario(world_runs, "failure")
+    assert per_rank[1]["error"] == "OSError"
+    for rank in [0] + list(range(2, world)):
+        assert per_rank[rank]["error"] == "DistributedError", per_rank[rank]
+        assert "[1]" in per_rank[rank]["message"]
+    assert all(r["unchanged"] for r in per_rank)
+
+
+def test_all_reduce_mean_averages_in_place(world_runs):
+    world, per_rank = scenario(world_runs, "all_reduce_mean")
+    expected = torch.stack(
+        [torch.tensor([r + 1.0, 10.0 * r, 0.25], dtype=torch.float64) for r in range(world)]
+    ).mean(0)
+    for result in per_rank:
+        assert result["same_object"]
+        assert torch.allclose(result["value"], expected, rtol=1e-15, atol=0)
+
+
+def test_single_process_is_the_identity():
+    assert not distributed.is_distributed()
+    assert (distributed.get_world_size(), distributed.get_rank()) == (1, 0)
+    assert distributed.is_main_process() and not distributed.resolve_sync(None)
+    assert not distributed.resolve_sync(True)
+    value = torch.tensor([1.5, -2.0])
+    assert distributed.all_reduce_mean(value) is value and value.tolist() == [1.5, -2.0]
+    with pytest.raises(ConfigError, match="int64"):
+        distributed.all_reduce_mean(torch.tensor([1, 2]))
+    stats = PopulationStats(2, name="bn")
+    stats.add_batch(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25]), 4)
+    assert distributed.merge_ranks([stats], 3, 12) == ([stats], 3, 12)
+    distributed.abort_merge()
+    distributed.barrier()
+    with pytest.raises(OSError):
+        with distributed.abort_merge_on_error(True):
+            raise OSError("propagates unchanged")
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_syncbn_on_one_process_matches_reference_and_is_restored(exact):
+    model = W.make_model(sync_bn=True)
+    batches = W.union_batches(W.UNEVEN, 3)
+    report = update_bn_stats(model, batches, num_iters=None, exact=exact)
+    check = assert_close_exact if exact else assert_close_default
+    for name, (ref_mean, ref_var, count) in float64_reference(W.make_model(), batches).items():
+        module = dict(model.named_modules())[name]
+        assert isinstance(module, nn.SyncBatchNorm) and "forward" not in vars(module)
+        check(module.running_mean, module.running_var, ref_mean, ref_var, name)
+        assert report[name].elements == count and report[name].calls == len(batches)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _load_example():
+    path = os.path.join(REPO_ROOT, "scripts", "distributed_example.py")
+    spec = importlib.util.spec_from_file_location("distributed_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+def test_torchrun_example_env_init(tmp_path):
+    """``torchrun --nproc_per_node=2`` (env:// init): rank 0 saves stats equal to the union's."""
+    path, example = _load_example()
+    save = tmp_path / "bn.pt"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["OMP_NUM_THREADS"] = "1"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", "--master_port={}".format(_free_port()),
+        path, "--save", str(save),
+    ]
+    # A new session lets a timeout kill the launcher and its workers together.
+    proc = subprocess.Popen(
+        command, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=SPAWN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("torchrun ran past {:.0f} s:\n{}".format(SPAWN_TIMEOUT_S, output.decode()))
+    text = output.decode()
+    assert proc.returncode == 0, text
+    assert "identical on all 2 ranks: True" in text, text
+    state = torch.load(str(save))
+    dataset = example.make_dataset()
+    batches = [b[0] for rank in range(2) for b in example.shard_loader(dataset, rank, 2)]
+    for name, (ref_mean, ref_var, _) in float64_reference(example.make_model(), batches).items():
+        assert_close_default(
+            state[name + ".running_mean"], state[name + ".running_var"], ref_mean, ref_var, name
+        )
