@@ -1,0 +1,79 @@
+"""Running ``python -m precise_bn`` on files a test wrote, and comparing checkpoints bit for bit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+
+from precise_bn.checkpoint import SAFE_LOAD_AVAILABLE
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+# A torch without weights_only refuses every untrusted pickle; the layout tests then trust
+# their own files, and test_checkpoint checks the refusal itself.
+TRUST: List[str] = [] if SAFE_LOAD_AVAILABLE else ["--trust-checkpoint"]
+
+Path_ = Tuple[Any, ...]
+
+
+def run_cli(*args: str, timeout: float = 180, extra_env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """``python -m precise_bn ARGS`` with the test factories importable; output captured."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # Tiny tensors: one thread each, so parallel test processes do not oversubscribe the cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra_env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "precise_bn"] + [str(a) for a in args],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=str(TESTS),
+    )
+
+
+def load(path: Any, trusted: bool = False) -> Any:
+    """Load a file the way a user's code would, without running code from it unless ``trusted``."""
+    if SAFE_LOAD_AVAILABLE:
+        return torch.load(str(path), map_location="cpu", weights_only=not trusted)
+    return torch.load(str(path), map_location="cpu")
+
+
+def _bits(t: torch.Tensor) -> Tuple[str, Tuple[int, ...], bytes]:
+    return str(t.dtype), tuple(t.shape), t.detach().cpu().contiguous().numpy().tobytes()
+
+
+def assert_same_except(original: Any, written: Any, changed: Set[Path_], path: Path_ = ()) -> Set[Path_]:
+    """Walk both objects: every leaf not in ``changed`` must be identical (tensors: dtype,
+    shape and bytes). Returns the ``changed`` paths found; extra keys in ``written`` fail."""
+    found: Set[Path_] = set()
+    if path in changed:
+        assert torch.is_tensor(written) and _bits(original)[:2] == _bits(written)[:2], path
+        return {path}
+    if torch.is_tensor(original):
+        assert torch.is_tensor(written) and _bits(original) == _bits(written), "tensor {} changed".format(path)
+    elif isinstance(original, Mapping):
+        assert isinstance(written, Mapping) and list(written) == list(original), "keys at {}: {} vs {}".format(
+            path, list(written), list(original)
+        )
+        for key in original:
+            found |= assert_same_except(original[key], written[key], changed, path + (key,))
+    elif isinstance(original, (list, tuple)):
+        assert type(written) is type(original) and len(written) == len(original), path
+        for i, (a, b) in enumerate(zip(original, written)):
+            found |= assert_same_except(a, b, changed, path + (i,))
+    else:
+        assert type(written) is type(original) and written == original, "{}: {!r} vs {!r}".format(path, written, original)
+    return found
+
+
+def bn_paths(where: Sequence[Any], prefix: str, names: Iterable[str]) -> Set[Path_]:
+    """Key paths of the running stats of the BN layers ``names`` in a checkpoint."""
+    return {tuple(where) + (prefix + name + "." + stat,) for name in names for stat in ("running_mean", "running_var")}
+
+
+def without(mapping: Mapping[str, Any], key: str) -> dict:
+    """A copy of ``mapping`` without ``key`` (the provenance entry a write adds)."""
+    return {k: v for k, v in mapping.items() if k != key}
