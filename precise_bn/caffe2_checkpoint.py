@@ -1,9 +1,11 @@
 """Caffe2 ``.pkl`` checkpoints: safe loading, atomic saving, and blob names to and from PyTorch.
 
 Caffe2 tools (Detectron, video non-local nets, R(2+1)D) pickle ``{"blobs": {name: ndarray}}``
-or a flat ``{name: ndarray}``, often from Python 2. Unpickling runs whatever callable the file
-names, so :func:`load_caffe2_pickle` resolves only numpy's array, dtype and scalar rebuilders
-and plain containers; any other global is refused before anything is called.
+(Detectron adds a ``"cfg"`` string next to it) or a flat ``{name: ndarray}``, often from
+Python 2. Unpickling runs whatever callable the file names, so :func:`read_caffe2_pickle`
+resolves only numpy's array, dtype and scalar rebuilders and plain containers; any other global
+is refused before anything is called. Writing back keeps every entry of the file and its
+layout; only the blobs given change.
 
 Naming: a blob name splits into a layer and a parameter suffix, ``{layer}_w`` / ``_b`` for
 convolutions and FC layers and ``{layer}_s`` / ``_b`` / ``_rm`` / ``_riv`` for SpatialBN
@@ -17,6 +19,7 @@ This module needs numpy and torch only, never Caffe2.
 from __future__ import annotations
 
 import collections
+import copy
 import importlib
 import os
 import pickle
@@ -184,11 +187,29 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def load_caffe2_pickle(path: PathLike) -> Dict[str, np.ndarray]:
+def _blob_table(root: Any, name: str) -> Dict[Any, Any]:
+    """The blob dictionary in a loaded file: ``root["blobs"]``, or ``root`` itself when flat."""
+    table = root.get("blobs", root) if isinstance(root, dict) else None
+    if not isinstance(table, dict):
+        raise CheckpointError(
+            "{}: expected {{'blobs': {{name: array}}}} or {{name: array}}, got {}".format(
+                name, type(root).__name__
+            )
+        )
+    return table
+
+
+def _blob_name(key: Any) -> str:
+    return key.decode("latin1") if isinstance(key, bytes) else str(key)
+
+
+def read_caffe2_pickle(path: PathLike) -> Tuple[Any, Dict[str, np.ndarray]]:
     """Read a Caffe2 ``.pkl`` (``{"blobs": {...}}`` or flat), Python 2 pickles included.
 
-    Returns blob name -> ndarray; numpy scalars become 0-d arrays and other entries (a config
-    string next to ``"blobs"``, say) are not blobs and are left out.
+    Returns the whole object the file holds (a config string, an iteration count next to
+    ``"blobs"`` included; give it to :func:`save_caffe2_pickle` as ``root`` to write the file
+    back) and its blobs: blob name -> ndarray, numpy scalars as 0-d arrays; entries of the blob
+    dictionary that are not arrays are left out of the blobs.
 
     Raises:
         UnsafeCheckpointError: the pickle names a global other than numpy's array/dtype/scalar
@@ -198,7 +219,7 @@ def load_caffe2_pickle(path: PathLike) -> Dict[str, np.ndarray]:
     name = os.fspath(path)
     try:
         with open(name, "rb") as handle:
-            loaded = _RestrictedUnpickler(handle, name).load()
+            root = _RestrictedUnpickler(handle, name).load()
     except UnsafeCheckpointError:
         raise
     except OSError as exc:
@@ -207,23 +228,48 @@ def load_caffe2_pickle(path: PathLike) -> Dict[str, np.ndarray]:
         raise CheckpointError(
             "{}: not a Caffe2 blob pickle: {}: {}".format(name, type(exc).__name__, exc)
         ) from exc
-    blobs = loaded.get("blobs", loaded) if isinstance(loaded, dict) else None
-    if not isinstance(blobs, dict):
+    blobs = {
+        _blob_name(key): np.asarray(value)
+        for key, value in _blob_table(root, name).items()
+        if isinstance(value, (np.ndarray, np.generic))
+    }
+    return root, blobs
+
+
+def load_caffe2_pickle(path: PathLike) -> Dict[str, np.ndarray]:
+    """The blobs of a Caffe2 ``.pkl``: blob name -> ndarray (see :func:`read_caffe2_pickle`)."""
+    return read_caffe2_pickle(path)[1]
+
+
+def _with_blobs(root: Any, blobs: Mapping[str, np.ndarray], where: str) -> Any:
+    """A shallow copy of ``root`` whose blob dictionary holds ``blobs`` under the keys, dtypes
+    and shapes of the blobs they replace (numpy scalars stay scalars); ``root`` is unchanged."""
+    table = _blob_table(root, where)
+    keys = {_blob_name(k): k for k, v in table.items() if isinstance(v, (np.ndarray, np.generic))}
+    unknown = sorted(set(blobs) - set(keys))
+    if unknown:
         raise CheckpointError(
-            "{}: expected {{'blobs': {{name: array}}}} or {{name: array}}, got {}".format(
-                name, type(loaded).__name__
-            )
+            "{}: no blob {} in the checkpoint to write back into".format(where, ", ".join(unknown))
         )
-    out: Dict[str, np.ndarray] = {}
-    for key, value in blobs.items():
-        if isinstance(value, (np.ndarray, np.generic)):
-            out[key.decode("latin1") if isinstance(key, bytes) else str(key)] = np.asarray(value)
-    return out
+    new_table = copy.copy(table)
+    for name, array in blobs.items():
+        old = table[keys[name]]
+        value = array.astype(old.dtype).reshape(np.shape(old))
+        new_table[keys[name]] = value[()] if isinstance(old, np.generic) else value
+    if table is root:
+        return new_table
+    new_root = copy.copy(root)
+    new_root["blobs"] = new_table
+    return new_root
 
 
-def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO]) -> None:
+def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO], root: Any = None) -> None:
     """Write ``{"blobs": {name: ndarray}}`` to ``path`` atomically (temporary file, fsync,
     rename), or into an open binary file whose writer handles atomicity.
+
+    With ``root`` (the object :func:`read_caffe2_pickle` returned) the file keeps the layout and
+    every entry of ``root``: only the named ``blobs`` change, each cast to the dtype and shape
+    of the blob it replaces, so readers of the original file read the new one alike.
 
     Protocol 2, the highest that the Python 2 Caffe2 tools can read.
     """
@@ -236,10 +282,11 @@ def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO]
                 "{}: blob {!r} is not a numeric array ({})".format(where, key, type(value).__name__)
             )
         out[str(key)] = array
+    content = {"blobs": out} if root is None else _with_blobs(root, out, where)
     if hasattr(path, "write"):
-        pickle.dump({"blobs": out}, path, protocol=2)
+        pickle.dump(content, path, protocol=2)
     else:
-        atomic_write(path, lambda handle: pickle.dump({"blobs": out}, handle, protocol=2))
+        atomic_write(path, lambda handle: pickle.dump(content, handle, protocol=2))
 
 
 def map_name(name: str, rules: NameMap) -> Optional[str]:

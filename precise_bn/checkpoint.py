@@ -59,7 +59,7 @@ StateDict = Dict[str, torch.Tensor]
 class Checkpoint:
     """A loaded checkpoint: the whole object as read, and where its state dict sits in it.
 
-    ``root`` is what the file holds (for Caffe2, the blob dictionary); ``state_dict`` is the
+    ``root`` is what the file holds (for Caffe2, the whole unpickled object); ``state_dict`` is the
     name -> tensor table the model is matched against (for Caffe2, the blobs converted to
     PyTorch names, and ``source_names`` maps each back to its blob). ``where`` is the path of
     keys from ``root`` to ``state_dict``, empty when the file is a bare state dict.
@@ -128,13 +128,13 @@ def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False
         tensors, metadata = _load_safetensors(path)
         return Checkpoint(path, fmt, tensors, tensors, metadata=metadata)
     if fmt == "caffe2":
-        from .caffe2_checkpoint import caffe2_to_torch, load_caffe2_pickle
+        from .caffe2_checkpoint import caffe2_to_torch, read_caffe2_pickle
 
-        blobs = load_caffe2_pickle(path)
+        root, blobs = read_caffe2_pickle(path)
         state_dict, conversion = caffe2_to_torch(blobs, rules, source=path)
         logger.info("%s: Caffe2 blobs to PyTorch names: %s", path, conversion)
         names = {key: blob for blob, key in conversion.mapped.items()}
-        return Checkpoint(path, fmt, blobs, state_dict, source_names=names)
+        return Checkpoint(path, fmt, root, state_dict, source_names=names)
     root = _torch_load(path, trust)
     where, state_dict = locate_state_dict(root, path, key)
     return Checkpoint(path, fmt, root, state_dict, where=where, legacy_format=not zipfile.is_zipfile(path))
@@ -414,10 +414,10 @@ def _safetensors_writer(tensors: Mapping[str, torch.Tensor], metadata: Mapping[s
     return lambda handle: handle.write(save(dict(tensors), metadata=dict(metadata)))
 
 
-def _caffe2_writer(blobs: Mapping[str, Any]):
+def _caffe2_writer(blobs: Mapping[str, Any], root: Any = None):
     from .caffe2_checkpoint import save_caffe2_pickle
 
-    return lambda handle: save_caffe2_pickle(dict(blobs), handle)
+    return lambda handle: save_caffe2_pickle(dict(blobs), handle, root=root)
 
 
 def _torch_writer(obj: Any, legacy: bool = False):
@@ -425,12 +425,9 @@ def _torch_writer(obj: Any, legacy: bool = False):
 
 
 def _caffe2_blobs_with(ckpt: Checkpoint) -> Dict[str, Any]:
-    """The original blobs, with each updated tensor written back into the blob it was read from."""
-    blobs = dict(ckpt.root)
-    for key in ckpt.updated:
-        name = ckpt.source_names[key]
-        blobs[name] = ckpt.state_dict[key].numpy().astype(blobs[name].dtype).reshape(blobs[name].shape)
-    return blobs
+    """Each updated tensor under the name of the blob it was read from (written back into
+    ``ckpt.root`` in that blob's dtype and shape)."""
+    return {ckpt.source_names[key]: ckpt.state_dict[key] for key in ckpt.updated}
 
 
 def save_checkpoint(ckpt: Checkpoint, output: str, *, in_place: bool = False) -> None:
@@ -443,7 +440,7 @@ def save_checkpoint(ckpt: Checkpoint, output: str, *, in_place: bool = False) ->
     if ckpt.format == "safetensors":
         writer = _safetensors_writer(ckpt.state_dict, ckpt.metadata)
     elif ckpt.format == "caffe2":
-        writer = _caffe2_writer(_caffe2_blobs_with(ckpt))
+        writer = _caffe2_writer(_caffe2_blobs_with(ckpt), ckpt.root)
     else:
         writer = _torch_writer(ckpt.root, ckpt.legacy_format)
     write_file(output, writer)

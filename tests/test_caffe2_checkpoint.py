@@ -17,6 +17,7 @@ import torch
 from precise_bn.caffe2_checkpoint import (
     caffe2_to_torch,
     load_caffe2_pickle,
+    read_caffe2_pickle,
     save_caffe2_pickle,
     torch_to_caffe2,
 )
@@ -225,3 +226,43 @@ def test_builtin_rules_cover_torchvision_resnets(arch):
     assert to_torch.ok, str(to_torch)
     for key, value in state.items():
         assert value.numpy().tobytes() == model.state_dict()[key].numpy().tobytes(), key
+
+
+def test_write_back_into_python2_pickle_keeps_its_other_entries(tmp_path):
+    blobs = {"res_conv1_bn_riv": np.linspace(0.5, 2.0, 4).astype(np.float32),
+             "conv1_w": np.random.RandomState(1).randn(2, 3, 3, 3).astype(np.float32),
+             "optimizer_iteration": np.array([77], np.int64)}
+    body = b"".join(_py2_str(k.encode()) + _py2_array(v) + b"s" for k, v in blobs.items())
+    cfg = b"MODEL:\n  TYPE: generalized_rcnn\nTRAIN:\n  WEIGHTS: ''\n"
+    data = (b"\x80\x02}" + _py2_str(b"blobs") + b"}" + body + b"s" + _py2_str(b"cfg") + _py2_str(cfg) + b"s"
+            + _py2_str(b"iter") + b"J" + struct.pack("<i", 90000) + b"s.")
+    path, out = tmp_path / "py2.pkl", tmp_path / "out.pkl"
+    path.write_bytes(data)
+    root, loaded = read_caffe2_pickle(path)
+    new_var = loaded["res_conv1_bn_riv"].astype(np.float64) * 3 + 1e-9
+    save_caffe2_pickle({"res_conv1_bn_riv": new_var}, out, root=root)
+
+    assert root["blobs"]["res_conv1_bn_riv"].tobytes() == blobs["res_conv1_bn_riv"].tobytes()
+    written, written_blobs = read_caffe2_pickle(out)
+    assert list(written) == ["blobs", "cfg", "iter"] and list(written["blobs"]) == list(blobs)
+    assert written["cfg"] == cfg.decode("latin1") and written["iter"] == 90000 and type(written["iter"]) is int
+    assert_same_bits(written_blobs, dict(blobs, res_conv1_bn_riv=new_var.astype(np.float32)))
+
+
+def test_write_back_keeps_bytes_keys_scalars_and_refuses_unknown_blobs(tmp_path):
+    root = {b"conv1_w": np.arange(6, dtype=np.float16).reshape(2, 3), b"res_conv1_bn_rm": np.float32(1.5),
+            b"note": b"trained on 8 GPUs"}
+    path, out = tmp_path / "flat.pkl", tmp_path / "out.pkl"
+    path.write_bytes(pickle.dumps(root, protocol=3))
+    loaded_root, blobs = read_caffe2_pickle(path)
+    assert sorted(blobs) == ["conv1_w", "res_conv1_bn_rm"]
+    save_caffe2_pickle({"conv1_w": torch.ones(6, dtype=torch.float64), "res_conv1_bn_rm": np.array([2.5])},
+                       out, root=loaded_root)
+    written = pickle.loads(out.read_bytes())
+    assert list(written) == list(root) and written[b"note"] == root[b"note"]
+    assert written[b"conv1_w"].dtype == np.float16 and written[b"conv1_w"].shape == (2, 3)
+    assert written[b"conv1_w"].tobytes() == np.ones((2, 3), np.float16).tobytes()
+    assert type(written[b"res_conv1_bn_rm"]) is np.float32 and written[b"res_conv1_bn_rm"] == 2.5
+    with pytest.raises(CheckpointError, match="no blob note, pred_w"):
+        save_caffe2_pickle({"pred_w": np.ones(2), "note": np.ones(1)}, tmp_path / "bad.pkl", root=loaded_root)
+    assert not (tmp_path / "bad.pkl").exists()

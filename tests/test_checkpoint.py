@@ -9,16 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
-from cli_factories import batches, small_net
+from cli_factories import Caffe2StyleNet, batches, small_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn import __version__
-from precise_bn.checkpoint import SAFE_LOAD_AVAILABLE
+from precise_bn.checkpoint import SAFE_LOAD_AVAILABLE, STAT_SUFFIXES
 from precise_bn.cli import main
 from precise_bn.specs import resolve_data
 from reference import assert_close_default, assert_close_exact, float64_reference
@@ -376,3 +378,56 @@ def test_safetensors_missing_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(BackendUnavailableError, match="pip install safetensors"):
         load_checkpoint(str(path))
+
+
+BN_BLOBS = ("res_conv1_bn_rm", "res_conv1_bn_riv")
+
+
+def _caffe2_root(layout: str):
+    """(net, root): a Caffe2StyleNet checkpoint as Detectron (``nested``: blobs, cfg text, iteration) or
+    older tools (``flat``) pickle it, with optimizer blobs, a float64 running mean and entries
+    among the blobs that are not arrays."""
+    torch.manual_seed(0)
+    net = Caffe2StyleNet()
+    with torch.no_grad():
+        net(batches(n=1, seed=9)[0][0])
+    sd = {k: v.numpy().copy() for k, v in net.state_dict().items()}
+    blobs = {
+        "conv1_w": sd["conv1.weight"], "res_conv1_bn_s": sd["bn1.weight"], "res_conv1_bn_b": sd["bn1.bias"],
+        "res_conv1_bn_rm": sd["bn1.running_mean"].astype(np.float64), "res_conv1_bn_riv": sd["bn1.running_var"],
+        "pred_w": sd["fc.weight"], "pred_b": sd["fc.bias"],
+        "conv1_w_momentum": np.full((4, 3, 3, 3), -0.0, np.float32), "lr": np.array([0.02], np.float32),
+        "model_name": "stem-net", "solver": {"base_lr": 0.02, "steps": [0, 60000, 80000]},
+    }
+    if layout == "flat":
+        return net, blobs
+    return net, {"blobs": blobs, "cfg": "MODEL:\n  TYPE: generalized_rcnn\nSOLVER:\n  MAX_ITER: 90000\n", "iter": 90000}
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_caffe2_recompute_keeps_every_other_entry_and_the_layout(layout, tmp_path):
+    net, root = _caffe2_root(layout)
+    path, out = tmp_path / "model_final.pkl", tmp_path / "model_final.precise.pkl"
+    path.write_bytes(pickle.dumps(root, protocol=2))
+    args = ["recompute", str(path), "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches",
+            "--output", str(out), "-q"]
+    assert main(args) == 0
+    written = pickle.loads(out.read_bytes())
+    assert type(written) is dict and list(written) == list(root)
+    table, written_table = (root["blobs"], written["blobs"]) if layout == "nested" else (root, written)
+    assert list(written_table) == list(table)
+    others = [(key, value, written[key]) for key, value in root.items() if key != "blobs"] if layout == "nested" else []
+    for name, value in table.items():
+        new = written_table[name]
+        if isinstance(value, np.ndarray):
+            assert new.dtype == value.dtype and new.shape == value.shape, name
+            assert (new.tobytes() == value.tobytes()) == (name not in BN_BLOBS), name
+        else:
+            others.append((name, value, new))
+    assert len(others) == (4 if layout == "nested" else 2)
+    for key, value, new in others:
+        assert type(new) is type(value) and new == value, key
+    state = {"bn1." + stat: torch.from_numpy(written_table[blob].astype(np.float32))
+             for stat, blob in zip(STAT_SUFFIXES, BN_BLOBS)}
+    mean, var, _ = float64_reference(net, batches())["bn1"]
+    assert_close_default(state["bn1.running_mean"], state["bn1.running_var"], mean, var, "bn1")
