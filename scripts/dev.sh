@@ -17,6 +17,11 @@ CAFFE2_EXTRAS="test"
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
+# pip warns about every package its extra local indexes lack; keep its real output only.
+pip_install() {
+  "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 python_for() {  # $1 = 3.11 | 3.9
   if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -q "^$1"; then
     PYENV_VERSION=$1 pyenv exec python"$1" "${@:2}"
@@ -35,9 +40,9 @@ build_env() {
   if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then return; fi
   log "building $venv (Python $pyver)"
   [ -x "$venv/bin/python" ] || python_for "$pyver" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade "pip<25" wheel
-  "$venv/bin/python" -m pip install -q "$@"
-  "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
+  pip_install "$venv/bin/python" -m pip install -q --upgrade "pip<25" wheel
+  pip_install "$venv/bin/python" -m pip install -q "$@"
+  pip_install "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
   echo "$stamp" >"$venv/.stamp"
 }
 
