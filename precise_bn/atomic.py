@@ -8,6 +8,16 @@ from typing import BinaryIO, Callable, Union
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _mode_for(path: str) -> int:
+    """The replaced file's permissions, or for a new file what ``open()`` would give it
+    (``mkstemp`` creates its file private, 0600)."""
+    if os.path.exists(path):
+        return os.stat(path).st_mode & 0o7777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through ``write(fileobj)`` into a temporary file in the same folder,
     fsync it, then rename it over ``path`` (atomic on POSIX) and fsync the folder.
@@ -22,8 +32,7 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        if os.path.exists(path):
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
