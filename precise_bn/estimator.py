@@ -113,16 +113,22 @@ class PopulationStats:
     def _merge_moments(
         self, n_b: int, mean_b: torch.Tensor, m2_like: torch.Tensor, m2_scale: float, calls: int
     ) -> None:
-        """Chan's merge of a group with ``n_b`` elements, mean ``mean_b``, M2 = m2_like*scale."""
-        mean_b = mean_b.to(self.device, torch.float64).reshape(-1)
-        m2_like = m2_like.to(self.device, torch.float64).reshape(-1)
+        """Chan's merge of a group with ``n_b`` elements, mean ``mean_b``, M2 = m2_like*scale.
+
+        Called once per BN call, so it issues four kernels and no conversion copies: an op
+        mixing float32 inputs with the float64 state computes in float64 (type promotion).
+        """
+        if mean_b.device != self.device:
+            mean_b, m2_like = mean_b.to(self.device), m2_like.to(self.device)
+        if mean_b.dim() != 1:
+            mean_b, m2_like = mean_b.reshape(-1), m2_like.reshape(-1)
         n_a = self.count
         n = n_a + n_b
         if n_a == 0:
             self.mean.copy_(mean_b)
             self.m2.copy_(m2_like).mul_(m2_scale)
         else:
-            delta = mean_b - self.mean
+            delta = torch.sub(mean_b, self.mean)
             self.mean.add_(delta, alpha=n_b / n)
             self.m2.add_(m2_like, alpha=m2_scale).addcmul_(delta, delta, value=n_a * n_b / n)
         self.count = n
