@@ -18,19 +18,18 @@ benchmarks/CAFFE2_RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, environment_text, markdown_table, write_section  # noqa: E402
+from common import command_line, environment_text, markdown_table, rotated_seconds, write_section  # noqa: E402
 
 from precise_bn import BatchNormHelper  # noqa: E402
 from precise_bn.caffe2_backend import import_caffe2  # noqa: E402
@@ -76,27 +75,6 @@ def feeds_for(batch: int, size: int, iters: int) -> List[Dict[str, np.ndarray]]:
     ]
 
 
-def cpu_seconds(runs: Dict[str, Callable[[], None]], reps: int) -> Dict[str, List[float]]:
-    """CPU seconds of each run per repetition, order rotated by one each repetition, after one
-    untimed warm-up each.
-
-    CPU time rather than wall time: on cores shared with other jobs, wall time mostly measures
-    how long the process waited for a core, which differs between runs of the same work.
-    """
-    names = list(runs)
-    for run in runs.values():
-        run()
-    seconds: Dict[str, List[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        k = rep % len(names)
-        for name in names[k:] + names[:k]:
-            gc.collect()
-            start = time.process_time()
-            runs[name]()
-            seconds[name].append(time.process_time() - start)
-    return seconds
-
-
 def measure(name: str, batch: int, channels: int, size: int, depth: int, iters: int, reps: int) -> List[str]:
     _, workspace, _ = import_caffe2()
     workspace.ResetWorkspace()
@@ -114,7 +92,7 @@ def measure(name: str, batch: int, channels: int, size: int, depth: int, iters: 
     def backend() -> None:
         helper.compute_and_update_bn_stats()
 
-    seconds = cpu_seconds({"plain": plain, "backend": backend}, reps)
+    seconds = rotated_seconds({"plain": plain, "backend": backend}, reps, clock=time.process_time)
     plain_s, backend_s = statistics.median(seconds["plain"]), statistics.median(seconds["backend"])
     ratios = [b / p for b, p in zip(seconds["backend"], seconds["plain"])]
     return [
