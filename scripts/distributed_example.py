@@ -93,6 +93,7 @@ def main() -> None:
         if args.save:
             torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.save)
     barrier()  # no rank goes on (e.g. to read the checkpoint) before rank 0 has written it
+    del ddp  # its reducer must go before the process group it holds, or gloo aborts at exit
     dist.destroy_process_group()
     if not identical:
         raise SystemExit("rank {}: BN stats differ between ranks".format(rank))
