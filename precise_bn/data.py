@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 
 from .errors import ConfigError
-
-logger = logging.getLogger("precise_bn")
 
 ForwardFn = Callable[[torch.nn.Module, Any], Any]
 

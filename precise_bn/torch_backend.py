@@ -33,7 +33,7 @@ import threading
 import time
 import types
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn

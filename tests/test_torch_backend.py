@@ -1,7 +1,6 @@
 """update_bn_stats against a float64 two-pass reference of every BN input of every call."""
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 
