@@ -47,7 +47,7 @@ def extra_time_by_op(result: common.CaseResult, method: str, reps: int = 3, rows
     torch.profiler over ``reps`` alternating runs of the method and of the floor keeps, per
     operator, the smallest self CPU time over the runs; the operators that grew most are listed.
     The wall-clock extra of the timing table minus the net extra in operators is time spent in
-    Python outside any operator: hook dispatch, per-call bookkeeping, per-call setup.
+    Python outside any operator: the capture's per-call bookkeeping and per-run setup.
     """
     case = result.case
     model, batches = case.build()

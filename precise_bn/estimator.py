@@ -25,7 +25,8 @@ This module knows nothing of modules, hooks or processes: it only merges numbers
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import math
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -76,6 +77,27 @@ class PopulationStats:
         scale = float(count - 1) if unbiased else float(count)
         self._merge_moments(count, mean, var, scale, calls=1)
 
+    def add_batches(
+        self, means: torch.Tensor, variances: torch.Tensor, counts: Sequence[int], unbiased: bool = False
+    ) -> None:
+        """Add ``k`` calls at once. ``means`` and ``variances`` are float64 ``(k, C)`` work
+        buffers, **overwritten** here; ``counts`` holds the k element counts.
+
+        The k calls are first combined exactly around their own weighted mean
+        (``M2 = sum M2_i + sum n_i (mean_i - mean)^2``, every term non-negative), then merged
+        like one batch: thirteen operators for the k calls instead of four per call, and no
+        temporary of the block's size (on a CPU, each fresh megabyte costs page faults).
+        """
+        total = sum(counts)
+        if total <= 0:
+            return
+        weights = torch.tensor(counts, dtype=torch.float64, device=means.device)
+        mean = torch.matmul(weights, means).div_(total)
+        m2 = torch.matmul(weights - 1.0 if unbiased else weights, variances)
+        deviation = means.sub_(mean)
+        m2.add_(torch.matmul(weights, deviation.mul_(deviation)))
+        self._merge_moments(total, mean, m2, 1.0, calls=len(counts))
+
     def add_caffe2(self, sm, siv, eps: float, count: int) -> None:
         """Add one Caffe2 SpatialBN call: saved mean ``sm`` and saved inverse std ``siv``.
 
@@ -95,6 +117,11 @@ class PopulationStats:
         self.clamped += int((var < 0).sum().item())
         var = torch.where(var < resolution, torch.zeros_like(var), var)
         self._merge_moments(count, sm, var, float(count), calls=1)
+
+    def add_moments(self, count: int, mean: torch.Tensor, m2: torch.Tensor, calls: int = 1) -> None:
+        """Add a group of ``calls`` calls with ``count`` elements per channel, already combined
+        into float64 ``mean`` and ``M2`` (see :func:`precise_bn.capture.flush`)."""
+        self._merge_moments(count, mean, m2, 1.0, calls=calls)
 
     def merge(self, other: "PopulationStats") -> None:
         """Merge another estimator of the same layer (another device, rank or pass)."""
@@ -142,6 +169,14 @@ class PopulationStats:
         """
         if self.count == 0:
             raise ValueError("layer {!r} saw no element; nothing to finalize".format(self.name))
+        # NaN and Inf propagate through a sum, so one reduction screens every channel; only a
+        # non-finite (or overflowing) total pays for the per-channel search.
+        if not math.isfinite(float(self.mean.sum() + self.m2.sum())):
+            self._raise_if_non_finite()
+        denom = self.count - 1 if unbiased and self.count > 1 else self.count
+        return self.mean.clone(), self.m2 / float(denom)
+
+    def _raise_if_non_finite(self) -> None:
         bad = ~(torch.isfinite(self.mean) & torch.isfinite(self.m2))
         if bool(bad.any()):
             channels = bad.nonzero().reshape(-1).tolist()
@@ -151,8 +186,6 @@ class PopulationStats:
                     self.name, len(channels), self.num_channels, channels[:5], self.calls
                 )
             )
-        denom = self.count - 1 if unbiased and self.count > 1 else self.count
-        return self.mean.clone(), self.m2 / float(denom)
 
     def state(self) -> torch.Tensor:
         """Pack ``[count, mean..., M2...]`` in one float64 vector (for collectives)."""

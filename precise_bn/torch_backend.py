@@ -1,37 +1,34 @@
-"""The PyTorch backend: find BN layers, run the forward-only pass, read each call's stats.
+"""The PyTorch backend: find BN layers, run the forward-only pass, write the population stats.
 
-How one call's statistics are read, and why it is free:
+What one call contributes, and why it is free (the mechanics are in :mod:`precise_bn.capture`):
 
 * Default (``exact=False``): with ``momentum = 1`` a train-mode BN call leaves exactly that
-  call's batch mean in ``running_mean`` and its *unbiased* batch variance in ``running_var``
-  (``momentum * new + (1 - momentum) * old`` with ``momentum = 1``). A forward hook reads them
-  right after each call, so a layer called k times contributes k batches, and turns the
-  variance back into a sum of squares with the exact Bessel factor (n - 1) for the call's
-  n = numel / C elements per channel. The kernel already computed these numbers; reading them
-  costs a handful of per-channel float64 operations. Their limit is float32: a batch mean is
-  rounded to one float32 ulp, which matters only when a channel's mean dwarfs its std.
-* ``exact=True``: a forward hook computes each call's mean and biased variance from the BN
-  input itself, shifted by the call's own float32 batch mean so that nothing cancels even when
+  call's batch mean and *unbiased* batch variance in the running buffers. Each call writes them
+  into a fresh row of a per-layer block, so a layer called k times contributes k batches, and
+  blocks are merged in float64 with the exact Bessel factor (n - 1) for the call's
+  n = numel / C elements per channel. The kernel already computed these numbers; no operator
+  runs per call. Their limit is float32: a batch mean is rounded to one float32 ulp, which
+  matters only when a channel's mean dwarfs its std.
+* ``exact=True``: each call's mean and biased variance are computed from the BN input itself,
+  shifted by the call's own float32 batch mean so that nothing cancels even when
   mean/std = 1e4, with float64 sums over a buffer reused across calls: the result matches a
   float64 two-pass reference to ~1e-15, for about the cost of the BN kernel itself.
-* SyncBatchNorm layers run as plain BatchNorm during the pass (``_BatchNorm.forward`` is bound
-  on the instance until the pass ends): a call normalises with its own rank's batch and issues
-  no collective. A per-call all-gather would pair up with another rank's merge or hang as soon
-  as ranks have different numbers of batches; and normalising each rank's batch alone is what
-  one process does over the union of the ranks' batches. Their stats are then read like any
-  other layer's and merged across ranks once, at the end of the pass.
+* SyncBatchNorm layers run as plain BatchNorm during the pass: a call normalises with its own
+  rank's batch and issues no collective. A per-call all-gather would pair up with another
+  rank's merge or hang as soon as ranks have different numbers of batches; and normalising each
+  rank's batch alone is what one process does over the union of the ranks' batches. Their
+  stats are then read like any other layer's and merged across ranks once, at the end of the
+  pass.
 
 The pass runs inside :class:`BNPass`, which snapshots every buffer of the model, momentum and
-train flags and removes its hooks on exit, so a failure or ``KeyboardInterrupt`` anywhere leaves
-the model exactly as it was.
+train flags and detaches its captures on exit, so a failure or ``KeyboardInterrupt`` anywhere
+leaves the model exactly as it was.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-import types
 import warnings
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -40,6 +37,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
+from .capture import CallCapture, Scratch, flush
 from .data import ForwardFn, check_budget, default_forward, move_to_device, peek, take_budget
 from .errors import ConfigError, EmptyDataError, LayerError, PreciseBNWarning
 from .estimator import PopulationStats
@@ -87,7 +85,7 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
     ``layers=None``: those in training mode; if the whole model is in eval mode, all of them
     (logged, never a silent no-op). ``"all"``: every tracking BN layer. A sequence of modules or
     qualified names: exactly those. Layers with ``track_running_stats=False`` and frozen BN
-    (not a ``_BatchNorm``) are never selected.
+    (not a ``_BatchNorm``) are never selected; a layer listed twice is taken once.
     """
     named = [(name, m) for name, m in model.named_modules() if _is_tracking_bn(m)]
     if layers is None:
@@ -120,47 +118,37 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
                         name, type(module).__name__
                     )
                 )
-            chosen.append((name, module))
+            if all(module is not other for _, other in chosen):
+                chosen.append((name, module))
     for name, module in chosen:
         _check_materialised(name, module)
     return chosen
-
-
-def _scratch_like(scratch: threading.local, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer shaped like ``x``, reused across calls by this thread (DataParallel replicas run
-    hooks in threads): a fresh large CPU allocation costs page faults on every call."""
-    buffers = scratch.__dict__.setdefault("buffers", {})
-    key = (x.device, dtype)
-    flat = buffers.get(key)
-    if flat is None or flat.numel() < x.numel():
-        flat = buffers[key] = torch.empty(x.numel(), dtype=dtype, device=x.device)
-    return flat[: x.numel()].view(x.shape)
 
 
 class BNPass:
     """Context manager for one forward-only measurement pass over ``layers`` of ``model``.
 
     On enter it snapshots every buffer of the model, each chosen layer's momentum and train
-    flag; puts the chosen layers in train mode with momentum 1 and registers the reading hooks.
-    On exit, always, it removes the hooks and restores everything; then, only if the block ended
-    without an exception and :meth:`commit` was called, writes the new stats in place with
-    ``copy_`` (references held elsewhere see them).
+    flag; puts the chosen layers in train mode with momentum 1 and attaches a
+    :class:`~precise_bn.capture.CallCapture` to each. On exit, always, it detaches them and
+    restores everything; then, only if the block ended without an exception and :meth:`commit`
+    was called, writes the new stats in place with ``copy_`` (references held elsewhere see
+    them).
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[NamedLayer], exact: bool = False):
         self.model = model
         self.layers = list(layers)
-        self.exact = exact
-        self.stats = [
-            PopulationStats(m.num_features, name=n, device=m.running_mean.device)
+        scratch = Scratch()
+        self.captures = [
+            CallCapture(
+                PopulationStats(m.num_features, name=n, device=m.running_mean.device), exact, scratch
+            )
             for n, m in self.layers
         ]
-        self._lock = threading.Lock()
-        self._scratch = threading.local()
-        self._handles: List[Any] = []
+        self._attached: List[nn.Module] = []
         self._saved_buffers: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._saved_flags: List[Tuple[Optional[float], bool]] = []
-        self._local_forwards: List[nn.Module] = []
         self._results: Optional[List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = None
 
     def __enter__(self) -> "BNPass":
@@ -171,72 +159,29 @@ class BNPass:
                 for key, buf in module._buffers.items()
                 if buf is not None
             ]
-            for (_, module), stats in zip(self.layers, self.stats):
+            for (_, module), capture in zip(self.layers, self.captures):
                 self._saved_flags.append((module.momentum, module.training))
                 module.train()
-                module.momentum = 1.0
-                # 0 * NaN is NaN: start from finite buffers so a broken old value cannot leak in.
-                module.running_mean.zero_()
-                module.running_var.fill_(1.0)
-                if isinstance(module, nn.SyncBatchNorm) and "forward" not in vars(module):
-                    module.forward = types.MethodType(_BatchNorm.forward, module)
-                    self._local_forwards.append(module)
-                hook = self._shifted_input_hook(stats) if self.exact else self._kernel_hook(stats)
-                handle = module.register_forward_hook(hook)
-                self._handles.append(handle)
+                module.momentum = 1.0  # read by a subclass's own forward (see capture)
+                capture.attach(module)
+                self._attached.append(module)
         except BaseException:
             self._restore()
             raise
         return self
 
-    def _kernel_hook(self, stats: PopulationStats):
-        lock = self._lock
-
-        def hook(module: _BatchNorm, inputs: Tuple[Any, ...], output: Any) -> None:
-            x = inputs[0]
-            n = x.numel() // x.shape[1]
-            with lock:
-                stats.add_batch(module.running_mean, module.running_var, n, unbiased=True)
-
-        return hook
-
-    def _shifted_input_hook(self, stats: PopulationStats):
-        lock, scratch = self._lock, self._scratch
-
-        def hook(module: _BatchNorm, inputs: Tuple[Any, ...], output: Any) -> None:
-            x = inputs[0].detach()
-            n = x.numel() // x.shape[1]
-            if n == 0:
-                return
-            dims = [d for d in range(x.dim()) if d != 1]
-            # The call just left its float32 batch mean in running_mean (momentum 1). Shifted by
-            # it, the input is of the order of its std, so the sums of y and y^2 do not cancel,
-            # and a constant channel gives y == 0 exactly. Plain vectorised float64 sums over a
-            # reused buffer cost about one BN kernel; a fresh float64 copy plus var_mean (a
-            # scalar Welford loop on CPU) cost four to five.
-            shift = module.running_mean.double()
-            scratch_y = _scratch_like(scratch, x, torch.float64)
-            y = torch.sub(x, shift.view([1, -1] + [1] * (x.dim() - 2)), out=scratch_y)
-            s1 = y.sum(dims)
-            s2 = y.mul_(y).sum(dims)
-            mean = shift + s1 / n
-            var = (s2 - s1 * s1 / n).clamp_(min=0) / n
-            with lock:
-                stats.add_batch(mean, var, n)
-
-        return hook
+    def collect(self) -> List[PopulationStats]:
+        """Every layer's stats, with the calls still pending in the capture blocks merged."""
+        return flush(self.captures)
 
     def commit(self, results: List[Optional[Tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Stats to write on a clean exit: ``(mean, var)`` per layer, None to keep a layer's old."""
         self._results = results
 
     def _restore(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        for module in self._local_forwards:
-            del module.forward
-        self._local_forwards = []
+        for module in self._attached:
+            CallCapture.detach(module)
+        self._attached = []
         for (_, module), (momentum, training) in zip(self.layers, self._saved_flags):
             module.momentum = momentum
             module.train(training)
@@ -390,7 +335,7 @@ def update_bn_stats(
                     tick = now
         if bar is not None:
             bar.close()
-        stats, total_batches, total_samples = bn_pass.stats, seen_batches, seen_samples
+        stats, total_batches, total_samples = bn_pass.collect(), seen_batches, seen_samples
         if sync:
             stats, total_batches, total_samples = distributed.merge_ranks(
                 stats, seen_batches, seen_samples, group

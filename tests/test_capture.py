@@ -1,0 +1,103 @@
+"""The per-call capture: blocks that fill, grow and merge, the grouped flush, subclasses."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from precise_bn.capture import CallCapture, calls_per_block, flush
+from precise_bn.estimator import PopulationStats
+from reference import assert_close_default, assert_close_exact
+
+C = 5
+
+
+def _calls(count, seed=0):
+    """Ragged 4-D inputs with a huge-mean channel and a dead one."""
+    gen = torch.Generator().manual_seed(seed)
+    means = torch.tensor([1e3, 2.0, -1.0, 0.0, 7.0]).view(1, C, 1, 1)
+    stds = torch.tensor([1.0, 0.0, 0.5, 3.0, 1.0]).view(1, C, 1, 1)
+    return [torch.randn(2 + i % 3, C, 3, 2 + i % 2, generator=gen) * stds + means for i in range(count)]
+
+
+def _reference(inputs):
+    x = torch.cat([t.double().transpose(0, 1).reshape(C, -1) for t in inputs], dim=1)
+    return x.mean(1), x.var(1, unbiased=False), x.shape[1]
+
+
+def _run(inputs, exact=False, block_calls=None, bn=None):
+    bn = bn if bn is not None else nn.BatchNorm2d(C)
+    bn.train()
+    bn.momentum = 1.0
+    capture = CallCapture(PopulationStats(C, name="bn"), exact=exact, block_calls=block_calls)
+    capture.attach(bn)
+    with torch.no_grad():
+        for x in inputs:
+            bn(x)
+    CallCapture.detach(bn)
+    return capture, bn
+
+
+def test_blocks_fill_grow_and_merge_to_the_float64_reference():
+    inputs = _calls(75)
+    capture, _ = _run(inputs, block_calls=40)  # starts at 16 slots, grows to 32 and 64, merges at 40
+    kernel, _ = next(iter(capture._blocks.values()))
+    assert kernel.store.shape[1] == 64 and len(kernel.counts) == 75 - 40
+    stats = capture.flush()
+    ref_mean, ref_var, count = _reference(inputs)
+    assert (stats.count, stats.calls) == (count, 75)
+    assert_close_default(*stats.finalize(), ref_mean, ref_var, "blocks")
+    assert stats.finalize()[1][1].item() == 0.0
+
+
+def test_memory_is_bounded_by_the_block_whatever_the_number_of_calls():
+    capture, _ = _run(_calls(200), block_calls=8)
+    kernel, _ = next(iter(capture._blocks.values()))
+    assert kernel.store.shape[1] == 8 and len(kernel.counts) == 0  # 200 = 25 full blocks
+    assert capture.stats.calls == 200
+
+
+def test_exact_capture_matches_reference_to_the_exact_bound():
+    inputs = _calls(30)
+    capture, _ = _run(inputs, exact=True, block_calls=16)
+    ref_mean, ref_var, _ = _reference(inputs)
+    assert_close_exact(*capture.flush().finalize(), ref_mean, ref_var, "exact")
+
+
+def test_grouped_flush_equals_one_merge_per_layer():
+    uniform = [torch.randn(4, C, 3, 3) + 10.0 for _ in range(7)]
+    ragged = _calls(7, seed=1)
+    grouped = [_run(uniform)[0], _run([t * 2 for t in uniform])[0], _run(ragged)[0]]
+    alone = [_run(uniform)[0], _run([t * 2 for t in uniform])[0], _run(ragged)[0]]
+    for one_by_one, together in zip([c.flush() for c in alone], flush(grouped)):
+        assert (together.count, together.calls) == (one_by_one.count, one_by_one.calls)
+        torch.testing.assert_close(together.mean, one_by_one.mean, rtol=1e-13, atol=0)
+        torch.testing.assert_close(together.m2, one_by_one.m2, rtol=1e-12, atol=0)
+
+
+class DoublingBN(nn.BatchNorm2d):
+    """A subclass with its own forward: the capture must run it, not plain F.batch_norm."""
+
+    def forward(self, x):
+        return super().forward(2 * x)
+
+
+def test_a_subclass_forward_runs_with_the_slot_as_its_buffers():
+    inputs = _calls(20)
+    capture, bn = _run(inputs, bn=DoublingBN(C))
+    ref_mean, ref_var, _ = _reference([2 * x for x in inputs])
+    assert_close_default(*capture.flush().finalize(), ref_mean, ref_var, "subclass")
+    assert type(bn) is DoublingBN
+
+
+def test_attach_keeps_name_and_isinstance_and_detach_restores_the_class():
+    bn = nn.BatchNorm2d(C)
+    capture = CallCapture(PopulationStats(C))
+    capture.attach(bn)
+    assert isinstance(bn, nn.BatchNorm2d) and type(bn) is not nn.BatchNorm2d
+    assert type(bn).__name__ == "BatchNorm2d" and "_precise_bn_capture" in vars(bn)
+    CallCapture.detach(bn)
+    assert type(bn) is nn.BatchNorm2d and "_precise_bn_capture" not in vars(bn)
+
+
+def test_calls_per_block_shrinks_for_wide_layers():
+    assert calls_per_block(64) == 64 and calls_per_block(2048) == 32 and calls_per_block(10 ** 6) == 16
