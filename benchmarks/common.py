@@ -399,31 +399,41 @@ class Timing:
 
 
 def rotated_seconds(
-    runs: Mapping[str, Callable[[], Any]], reps: int, clock: Callable[[], float] = time.perf_counter
+    runs: Mapping[str, Callable[[], Any]],
+    reps: int,
+    clock: Callable[[], float] = time.perf_counter,
+    min_seconds: float = 0.0,
 ) -> Dict[str, List[float]]:
-    """Seconds of every run in each of ``reps`` repetitions, after one untimed warm-up each,
-    the order rotated by one each repetition so that no run always goes first (cold caches)
-    or last. ``clock`` is wall time by default; ``time.process_time`` gives CPU time."""
+    """Seconds of every run in each repetition, after one untimed warm-up each, the order
+    rotated by one each repetition so that no run always goes first (cold caches) or last.
+    ``reps`` repetitions, and more (up to four times as many) until ``min_seconds`` have been
+    spent timing, so that cheap cases get as many samples as the machine's noise needs.
+    ``clock`` is wall time by default; ``time.process_time`` gives CPU time."""
     names = list(runs)
     for run in runs.values():
         run()
     seconds: Dict[str, List[float]] = {name: [] for name in names}
-    for rep in range(reps):
+    started = time.perf_counter()
+    rep = 0
+    while rep < reps or (time.perf_counter() - started < min_seconds and rep < 4 * reps):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
             gc.collect()
             start = clock()
             runs[name]()
             seconds[name].append(clock() - start)
+        rep += 1
     return seconds
 
 
-def time_ratios(runs: Mapping[str, Callable[[], Any]], reps: int, floor: str = FLOOR) -> Dict[str, Timing]:
+def time_ratios(
+    runs: Mapping[str, Callable[[], Any]], reps: int, floor: str = FLOOR, min_seconds: float = 0.0
+) -> Dict[str, Timing]:
     """Wall time of every run over the floor's, per repetition (see :func:`rotated_seconds`).
 
     Ratios taken within one repetition cancel most of the drift of a shared machine.
     """
-    seconds = rotated_seconds(runs, reps)
+    seconds = rotated_seconds(runs, reps, min_seconds=min_seconds)
     return {
         name: Timing([s / f for s, f in zip(times, seconds[floor])], seconds[floor])
         for name, times in seconds.items()
@@ -447,9 +457,9 @@ class CaseResult:
     errors: Dict[str, Dict[str, Any]]
 
 
-def evaluate_case(case: Case, methods: Sequence[str], reps: int) -> CaseResult:
+def evaluate_case(case: Case, methods: Sequence[str], reps: int, min_seconds: float = 0.0) -> CaseResult:
     """Errors of every method (each on a fresh copy) against the float64 reference, and with
-    ``reps > 0`` their time ratios to the floor on the same batches."""
+    ``reps > 0`` their time ratios to the floor on the same batches (see :func:`rotated_seconds`)."""
     model, batches = case.build()
     reference = float64_reference(model, batches)
     errors = {}
@@ -458,7 +468,8 @@ def evaluate_case(case: Case, methods: Sequence[str], reps: int) -> CaseResult:
             result = copy.deepcopy(model)
             METHODS[name](result, batches)
             errors[name] = stat_errors(result, reference, exact_bound=name == "precise-bn exact")
-    timing = time_ratios(runs_on_copies(model, batches, [FLOOR] + [m for m in methods if m != FLOOR]), reps) if reps else {}
+    runs = runs_on_copies(model, batches, [FLOOR] + [m for m in methods if m != FLOOR])
+    timing = time_ratios(runs, reps, min_seconds=min_seconds) if reps else {}
     return CaseResult(case, case.describe(model), timing, errors)
 
 
@@ -577,21 +588,22 @@ def fmt_err(value: float) -> str:
     return "{:.1e}".format(value) if value == value and value != float("inf") else str(value)
 
 
-def time_table(results: Sequence[CaseResult], methods: Sequence[str], reps: int) -> str:
+def time_table(results: Sequence[CaseResult], methods: Sequence[str]) -> str:
     """The time ratios of the timed ``results``, one row per case, and how they were taken."""
     rows = [
-        [r.case.model, "{:.1f}".format(1e3 * statistics.median(r.timing[FLOOR].floor_seconds) / r.case.batches)]
+        [r.case.model, "{:.1f}".format(1e3 * statistics.median(r.timing[FLOOR].floor_seconds) / r.case.batches),
+         len(r.timing[FLOOR].ratios)]
         + [r.timing[m].cell() for m in methods if m != FLOOR]
         for r in results
     ]
     return (
         "Time of each method over the time of the plain train-mode forward under `no_grad` on the "
-        "same batches: median of {} per-repetition ratios, order rotated each repetition, after "
-        "one untimed warm-up (min-max of the ratios in parentheses). A call includes everything "
-        "the function does once per call (finding the layers, snapshot and restore of buffers, "
-        "the report). 1-minute load average when the table was written: {:.2f} on {} logical "
-        "cores.\n\n".format(reps, os.getloadavg()[0], os.cpu_count())
-        + markdown_table(["model", "floor (ms/batch)"] + [m for m in methods if m != FLOOR], rows)
+        "same batches: median of the per-repetition ratios (`reps` of them), order rotated each "
+        "repetition, after one untimed warm-up (min-max of the ratios in parentheses). A call "
+        "includes everything the function does once per call (finding the layers, snapshot and "
+        "restore of buffers, the report). 1-minute load average when the table was written: "
+        "{:.2f} on {} logical cores.\n\n".format(os.getloadavg()[0], os.cpu_count())
+        + markdown_table(["model", "floor (ms/batch)", "reps"] + [m for m in methods if m != FLOOR], rows)
     )
 
 

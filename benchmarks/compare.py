@@ -42,7 +42,8 @@ class Config:
     sweeps and the samples study."""
 
     cases: List[Case]
-    reps: int
+    reps: int  # at least; more for cheap cases, until min_seconds of timing
+    min_seconds: float
     scaling: Case  # template: its batch count is swept
     batch_counts: Tuple[int, ...]
     depth_cnn: Case  # template: options["blocks"] is swept
@@ -64,7 +65,8 @@ FULL = Config(
         Case("r2plus1d_18", (3, 8, 56, 56), 4, 8),
         Case("bn_mlp", (256,), 256, 64, options=MLP),
     ],
-    reps=5,
+    reps=7,
+    min_seconds=60.0,
     scaling=Case("resnet_style_2d", (3, 32, 32), 16, 0),
     batch_counts=(4, 16, 64),
     depth_cnn=Case("resnet_style_2d", (3, 32, 32), 16, 8, options={"widths": (32,), "blocks": 1}),
@@ -85,6 +87,7 @@ QUICK = Config(
         Case("bn_mlp", (32,), 32, 2, options={"in_features": 32, "width": 64, "depth": 2}),
     ],
     reps=1,
+    min_seconds=0.0,
     scaling=Case("resnet_style_2d", (3, 16, 16), 4, 0, options={"widths": (16, 32), "blocks": 1}),
     batch_counts=(2, 4),
     depth_cnn=Case("resnet_style_2d", (3, 16, 16), 4, 2, options={"widths": (16,), "blocks": 1}),
@@ -313,7 +316,7 @@ def render(cfg: Config, args, timed, shifted, memory, counts, by_batches, mem_sc
         "### Targets",
         "\n".join(targets(timed, errors, counts, mem_scaling)),
         "### Time",
-        common.time_table(timed, METHODS, cfg.reps) + "\n\nTimed on normal data only: the arithmetic "
+        common.time_table(timed, METHODS) + "\n\nTimed on normal data only: the arithmetic "
         "does not depend on the values.",
         "### Precision",
         common.error_table(errors),
@@ -370,8 +373,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.reps:
         cfg = dataclasses.replace(cfg, reps=args.reps)
 
-    common.log.info("main table: %d cases x %d methods, %d timed repetitions", len(cfg.cases), len(METHODS), cfg.reps)
-    timed = [common.evaluate_case(c, METHODS, cfg.reps) for c in cfg.cases]
+    common.log.info("main table: %d cases x %d methods, at least %d timed repetitions", len(cfg.cases), len(METHODS), cfg.reps)
+    timed = [common.evaluate_case(c, METHODS, cfg.reps, cfg.min_seconds) for c in cfg.cases]
     shifted = [common.evaluate_case(dataclasses.replace(c, data="shifted"), METHODS, 0) for c in cfg.cases]
 
     common.log.info("scaling: batches %s, depths %s", cfg.batch_counts, cfg.depths)

@@ -118,7 +118,7 @@ def render(timed: Sequence[common.CaseResult], shifted: Sequence[common.CaseResu
         common.environment_text(threads),
         "Sizes (random-init weights, inputs from `torch.randn`):",
         common.markdown_table(common.CASE_HEADERS, [r.cells for r in timed]),
-        common.time_table(timed, METHODS, reps),
+        common.time_table(timed, METHODS),
         "Targets of the core issue:",
         "\n".join(target_lines),
         common.error_table(list(timed) + list(shifted)),
@@ -133,8 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = common.parse_common(parser, argv)
     reps = args.reps or (2 if args.quick else 9)
     cases = QUICK if args.quick else FULL
-    common.log.info("%d cases x %d methods, %d timed repetitions", len(cases), len(METHODS), reps)
-    timed = [common.evaluate_case(c, METHODS, reps) for c in cases]
+    common.log.info("%d cases x %d methods, at least %d timed repetitions", len(cases), len(METHODS), reps)
+    timed = [common.evaluate_case(c, METHODS, reps, 0.0 if args.quick else 30.0) for c in cases]
     shifted = [common.evaluate_case(c, METHODS, 0) for c in with_data(cases, "shifted")]
     lines, missed = targets(timed)
     if missed:

@@ -18,10 +18,10 @@ full, or at the end of the pass, its calls are merged into the layer's float64
 are never written during the pass, and memory is bounded by the blocks whatever the number of
 batches.
 
-``exact=True`` additionally measures each call from its input: shifted by the float32 batch
-mean the kernel just wrote, the input is of the order of its std, so float64 sums of the shifted
-values and their squares do not cancel even when mean/std = 1e4, and a constant channel gives
-exactly 0.
+``exact=True`` measures each call from its input instead, and merges it at once: shifted by the
+float32 batch mean the kernel just wrote, the input is of the order of its std, so float64 sums
+of the shifted values and their squares do not cancel even when mean/std = 1e4, and a constant
+channel gives exactly 0.
 """
 from __future__ import annotations
 
@@ -93,25 +93,19 @@ class Scratch(threading.local):
 
 
 class _Block:
-    """Per-channel means and variances of the pending calls on one device: call i's pair is
-    ``slots[i]``, views of ``means[i]`` and ``variances[i]``. Room for 16 calls at first,
-    doubled when full (a merge empties the block before it passes the capture's
-    ``block_calls``)."""
+    """Per-channel means (``store[0, i]``) and variances (``store[1, i]``) of the pending calls
+    on one device. Allocated and zeroed whole, before the first forward, so memory does not
+    move with the number of batches; a slot's two views are made on first use and kept."""
 
-    def __init__(self, like: torch.Tensor, calls: int, exact: bool):
-        dtype = torch.float64 if exact else like.dtype
-        self._allocate(torch.zeros(2, min(calls, 16), like.numel(), dtype=dtype, device=like.device))
+    def __init__(self, like: torch.Tensor, calls: int):
+        self.store = torch.zeros(2, calls, like.numel(), dtype=like.dtype, device=like.device)
         self.counts: List[int] = []
+        self.slots: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _allocate(self, store: torch.Tensor) -> None:
-        self.store = store
-        self.slots = list(zip(store[0].unbind(0), store[1].unbind(0)))
-
-    def grow(self) -> None:
-        rows = self.store.shape[1]
-        grown = self.store.new_zeros((2, 2 * rows, self.store.shape[2]))
-        grown[:, :rows] = self.store
-        self._allocate(grown)
+    def slot(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if i == len(self.slots):
+            self.slots.append((self.store[0, i], self.store[1, i]))
+        return self.slots[i]
 
     def pending(self) -> torch.Tensor:
         """``(2, calls, C)``: the means and variances of the calls not merged yet."""
@@ -134,22 +128,21 @@ class CallCapture:
     ):
         self.stats = stats
         self.exact = exact
-        self.block_calls = block_calls or calls_per_block(stats.num_channels)
+        # With ``exact`` every call is measured and merged at once, so one slot is enough.
+        self.block_calls = 1 if exact else block_calls or calls_per_block(stats.num_channels)
         self._scratch = scratch if scratch is not None else Scratch()
-        self._blocks: Dict[torch.device, Tuple[_Block, Optional[_Block]]] = {}
+        self._blocks: Dict[torch.device, _Block] = {}
         self._lock = threading.Lock()
 
-    def _blocks_for(self, like: torch.Tensor) -> Tuple[_Block, Optional[_Block]]:
-        """The kernel's block, and with ``exact`` the block of measured float64 stats."""
-        blocks = self._blocks.get(like.device)
-        if blocks is None:
-            measured = _Block(like, self.block_calls, exact=True) if self.exact else None
-            blocks = self._blocks[like.device] = (_Block(like, self.block_calls, exact=False), measured)
-        return blocks
+    def _block_for(self, like: torch.Tensor) -> _Block:
+        block = self._blocks.get(like.device)
+        if block is None:
+            block = self._blocks[like.device] = _Block(like, self.block_calls)
+        return block
 
     def attach(self, module: _BatchNorm) -> None:
         """Route ``module``'s calls through this capture until :meth:`detach`."""
-        self._blocks_for(module.running_mean)
+        self._block_for(module.running_mean)
         module.__dict__[_CAPTURE_ATTR] = self
         module.__class__ = _capturing_class(type(module))
 
@@ -170,11 +163,9 @@ class CallCapture:
         kwargs: Dict[str, Any],
     ) -> Any:
         with self._lock:
-            kernel, measured = self._blocks.get(x.device) or self._blocks_for(module.running_mean)
-            i = len(kernel.counts)
-            if i == len(kernel.slots):
-                kernel.grow()
-            mean, var = kernel.slots[i]
+            block = self._blocks.get(x.device) or self._block_for(module.running_mean)
+            i = len(block.counts)
+            mean, var = block.slot(i)
             if direct and not args and not kwargs:
                 module._check_input_dim(x)
                 out = F.batch_norm(x, mean, var, module.weight, module.bias, True, 1.0, module.eps)
@@ -188,66 +179,63 @@ class CallCapture:
                 # Nothing was measured; the kernel may have left 0/0 in the slot.
                 mean.zero_()
                 var.zero_()
-                return out
-            kernel.counts.append(n)
-            if measured is not None:
-                if i == len(measured.slots):
-                    measured.grow()
-                self._measure_input(x.detach(), mean, n, *measured.slots[i])
-                measured.counts.append(n)
-            if i + 1 == self.block_calls:
-                self._merge(kernel, measured)
+            elif self.exact:
+                self.stats.add_batch(*self._measure_input(x.detach(), mean, n), n)
+            else:
+                block.counts.append(n)
+                if i + 1 == self.block_calls:
+                    self._merge(block)
             return out
 
     def _measure_input(
-        self, x: torch.Tensor, shift32: torch.Tensor, n: int, mean: torch.Tensor, var: torch.Tensor
-    ) -> None:
-        """Float64 mean and biased variance of this call's input, per channel, into the slot.
+        self, x: torch.Tensor, shift32: torch.Tensor, n: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Float64 mean and biased variance of this call's input, per channel.
 
-        Plain vectorised float64 sums over a buffer reused across calls cost about one BN
-        kernel; a fresh float64 copy plus ``var_mean`` (a scalar Welford loop on CPU) costs four
-        to five. Forming ``y`` and its sums in float32 instead costs a third less, but the
-        float32 sums of y^2 over a sample's spatial positions then carry up to 1e-7 relative
-        error, the whole of the exact bound.
+        ``y = x - shift`` is written channel-major into a float64 buffer reused across calls,
+        so each channel's values are one contiguous row: its sum and its 2-norm are then plain
+        vectorised row reductions, one read each. That costs about one to two BN kernels; a
+        fresh float64 copy plus ``var_mean`` (a scalar Welford loop on CPU) costs four to five.
+        Forming ``y`` and its sums in float32 instead would cost a third less, but float32 sums
+        of y^2 over a sample's spatial positions carry up to 1e-7 relative error, the whole of
+        the exact bound.
         """
-        dims = [d for d in range(x.dim()) if d != 1]
+        channels = x.shape[1]
         shift = shift32.double()
-        y = self._scratch.buffer(x.shape, x.device, torch.float64)
-        torch.sub(x, shift.view([1, -1] + [1] * (x.dim() - 2)), out=y)
-        s1 = y.sum(dims)
-        s2 = y.mul_(y).sum(dims)
-        torch.add(shift, s1, alpha=1.0 / n, out=mean)
-        torch.addcmul(s2, s1, s1, value=-1.0 / n, out=var).clamp_(min=0).div_(n)
+        by_channel = x.movedim(1, 0)
+        y = self._scratch.buffer(by_channel.shape, x.device, torch.float64)
+        torch.sub(by_channel, shift.view([-1] + [1] * (x.dim() - 1)), out=y)
+        rows = y.view(channels, -1)
+        s1 = rows.sum(1)
+        s2 = torch.linalg.vector_norm(rows, dim=1).square_()
+        mean = torch.add(shift, s1, alpha=1.0 / n)
+        var = torch.addcmul(s2, s1, s1, value=-1.0 / n).clamp_(min=0).div_(n)
+        return mean, var
 
-    def _merge(self, kernel: _Block, measured: Optional[_Block]) -> None:
-        if kernel.counts:
-            if measured is None:
-                pending = kernel.pending()
-                pairs = self._scratch.buffer(pending.shape, pending.device, torch.float64).copy_(pending)
-            else:
-                pairs = measured.pending()
-            self.stats.add_batches(pairs[0], pairs[1], kernel.counts, unbiased=measured is None)
-        kernel.counts = []
-        if measured is not None:
-            measured.counts = []
+    def _merge(self, block: _Block) -> None:
+        if block.counts:
+            pending = block.pending()
+            pairs = self._scratch.buffer(pending.shape, pending.device, torch.float64).copy_(pending)
+            self.stats.add_batches(pairs[0], pairs[1], block.counts, unbiased=True)
+            block.counts = []
 
     def flush(self) -> PopulationStats:
         """Merge every pending call; returns the layer's stats."""
         with self._lock:
-            for kernel, measured in self._blocks.values():
-                self._merge(kernel, measured)
+            for block in self._blocks.values():
+                self._merge(block)
         return self.stats
 
     def _uniform_pending(self) -> Optional[_Block]:
-        """The one kernel block, if this layer's pending calls can join a merge of many layers:
-        default path, one device, and every pending call with the same element count."""
-        if self.exact or len(self._blocks) != 1:
+        """The one block, if this layer's pending calls can join a merge of many layers: one
+        device, and every pending call with the same element count."""
+        if len(self._blocks) != 1:
             return None
-        kernel, _ = next(iter(self._blocks.values()))
-        counts = kernel.counts
+        block = next(iter(self._blocks.values()))
+        counts = block.counts
         if not counts or counts.count(counts[0]) != len(counts):
             return None
-        return kernel
+        return block
 
 
 def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
@@ -263,22 +251,22 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
     groups: Dict[Tuple[torch.device, torch.dtype, int], List[Tuple[CallCapture, _Block]]] = {}
     for capture in captures:
         with capture._lock:
-            kernel = capture._uniform_pending()
-        if kernel is None:
+            block = capture._uniform_pending()
+        if block is None:
             capture.flush()
         else:
-            key = (kernel.store.device, kernel.store.dtype, len(kernel.counts))
-            groups.setdefault(key, []).append((capture, kernel))
+            key = (block.store.device, block.store.dtype, len(block.counts))
+            groups.setdefault(key, []).append((capture, block))
     for (device, _, calls), members in groups.items():
-        pending = torch.cat([kernel.pending() for _, kernel in members], dim=2).double()
+        pending = torch.cat([block.pending() for _, block in members], dim=2).double()
         means, variances = pending[0], pending[1]
-        widths = [kernel.store.shape[2] for _, kernel in members]
-        counts = torch.tensor([kernel.counts[0] for _, kernel in members], dtype=torch.float64)
+        widths = [block.store.shape[2] for _, block in members]
+        counts = torch.tensor([block.counts[0] for _, block in members], dtype=torch.float64)
         n = torch.repeat_interleave(counts, torch.tensor(widths)).to(device)
         mean = means.mean(0)
         deviation = means.sub_(mean)
         m2 = variances.sum(0).mul_(n - 1.0).add_(deviation.mul_(deviation).sum(0).mul_(n))
-        for (capture, kernel), layer_mean, layer_m2 in zip(members, mean.split(widths), m2.split(widths)):
-            capture.stats.add_moments(calls * kernel.counts[0], layer_mean, layer_m2, calls=calls)
-            kernel.counts = []
+        for (capture, block), layer_mean, layer_m2 in zip(members, mean.split(widths), m2.split(widths)):
+            capture.stats.add_moments(calls * block.counts[0], layer_mean, layer_m2, calls=calls)
+            block.counts = []
     return [capture.stats for capture in captures]

@@ -1,4 +1,4 @@
-"""The per-call capture: blocks that fill, grow and merge, the grouped flush, subclasses."""
+"""The per-call capture: blocks that fill and merge, the grouped flush, subclasses."""
 from __future__ import annotations
 
 import torch
@@ -37,11 +37,11 @@ def _run(inputs, exact=False, block_calls=None, bn=None):
     return capture, bn
 
 
-def test_blocks_fill_grow_and_merge_to_the_float64_reference():
+def test_blocks_fill_and_merge_to_the_float64_reference():
     inputs = _calls(75)
-    capture, _ = _run(inputs, block_calls=40)  # starts at 16 slots, grows to 32 and 64, merges at 40
-    kernel, _ = next(iter(capture._blocks.values()))
-    assert kernel.store.shape[1] == 64 and len(kernel.counts) == 75 - 40
+    capture, _ = _run(inputs, block_calls=40)
+    block = next(iter(capture._blocks.values()))
+    assert block.store.shape[1] == 40 and len(block.counts) == 75 - 40
     stats = capture.flush()
     ref_mean, ref_var, count = _reference(inputs)
     assert (stats.count, stats.calls) == (count, 75)
@@ -51,8 +51,8 @@ def test_blocks_fill_grow_and_merge_to_the_float64_reference():
 
 def test_memory_is_bounded_by_the_block_whatever_the_number_of_calls():
     capture, _ = _run(_calls(200), block_calls=8)
-    kernel, _ = next(iter(capture._blocks.values()))
-    assert kernel.store.shape[1] == 8 and len(kernel.counts) == 0  # 200 = 25 full blocks
+    block = next(iter(capture._blocks.values()))
+    assert block.store.shape[1] == 8 and len(block.counts) == 0  # 200 = 25 full blocks
     assert capture.stats.calls == 200
 
 
