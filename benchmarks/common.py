@@ -376,7 +376,7 @@ def stat_errors(model: nn.Module, reference: Stats, exact_bound: bool = False) -
 
 @dataclasses.dataclass
 class Timing:
-    """Per-repetition ratios to the floor, and the floor's own seconds per repetition."""
+    """Per-repetition ratios to the floor, and the seconds of the floor run each was paired with."""
 
     ratios: List[float]
     floor_seconds: List[float]
@@ -399,45 +399,66 @@ class Timing:
 
 
 def rotated_seconds(
-    runs: Mapping[str, Callable[[], Any]],
-    reps: int,
-    clock: Callable[[], float] = time.perf_counter,
-    min_seconds: float = 0.0,
+    runs: Mapping[str, Callable[[], Any]], reps: int, clock: Callable[[], float] = time.perf_counter
 ) -> Dict[str, List[float]]:
-    """Seconds of every run in each repetition, after one untimed warm-up each, the order
-    rotated by one each repetition so that no run always goes first (cold caches) or last.
-    ``reps`` repetitions, and more (up to four times as many) until ``min_seconds`` have been
-    spent timing, so that cheap cases get as many samples as the machine's noise needs.
-    ``clock`` is wall time by default; ``time.process_time`` gives CPU time."""
+    """Seconds of every run in each of ``reps`` repetitions, after one untimed warm-up each,
+    the order rotated by one each repetition so that no run always goes first (cold caches)
+    or last. ``clock`` is wall time by default; ``time.process_time`` gives CPU time."""
     names = list(runs)
     for run in runs.values():
         run()
     seconds: Dict[str, List[float]] = {name: [] for name in names}
-    started = time.perf_counter()
-    rep = 0
-    while rep < reps or (time.perf_counter() - started < min_seconds and rep < 4 * reps):
+    for rep in range(reps):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
             gc.collect()
             start = clock()
             runs[name]()
             seconds[name].append(clock() - start)
-        rep += 1
     return seconds
+
+
+def _timed(run: Callable[[], Any]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def time_ratios(
     runs: Mapping[str, Callable[[], Any]], reps: int, floor: str = FLOOR, min_seconds: float = 0.0
 ) -> Dict[str, Timing]:
-    """Wall time of every run over the floor's, per repetition (see :func:`rotated_seconds`).
+    """Wall time of every run over the floor's, each ratio from a floor run timed right next to
+    it, after one untimed warm-up of every run.
 
-    Ratios taken within one repetition cancel most of the drift of a shared machine.
+    Each repetition times, for every method in turn (order rotated by one each repetition), the
+    floor and the method back to back, the floor first on even repetitions and last on odd ones.
+    A ratio of two adjacent runs cancels the drift of a shared machine, which moves ratios
+    taken several runs apart by a few points. ``reps`` repetitions, and more (up to four times
+    as many) until ``min_seconds`` have been spent, so that cheap cases get as many samples as
+    the machine's noise needs.
     """
-    seconds = rotated_seconds(runs, reps, min_seconds=min_seconds)
-    return {
-        name: Timing([s / f for s, f in zip(times, seconds[floor])], seconds[floor])
-        for name, times in seconds.items()
-    }
+    methods = [name for name in runs if name != floor]
+    for run in runs.values():
+        run()
+    ratios: Dict[str, List[float]] = {name: [] for name in methods}
+    floors: Dict[str, List[float]] = {name: [] for name in methods}
+    started = time.perf_counter()
+    rep = 0
+    while rep < reps or (time.perf_counter() - started < min_seconds and rep < 4 * reps):
+        k = rep % max(len(methods), 1)
+        for name in methods[k:] + methods[:k]:
+            if rep % 2 == 0:
+                base, other = _timed(runs[floor]), _timed(runs[name])
+            else:
+                other, base = _timed(runs[name]), _timed(runs[floor])
+            ratios[name].append(other / base)
+            floors[name].append(base)
+        rep += 1
+    timings = {name: Timing(ratios[name], floors[name]) for name in methods}
+    every_floor = [f for name in methods for f in floors[name]] or [_timed(runs[floor])]
+    timings[floor] = Timing([1.0] * len(every_floor), every_floor)
+    return timings
 
 
 def runs_on_copies(model: nn.Module, batches: Batches, methods: Iterable[str]) -> Dict[str, Callable[[], Any]]:
@@ -590,20 +611,22 @@ def fmt_err(value: float) -> str:
 
 def time_table(results: Sequence[CaseResult], methods: Sequence[str]) -> str:
     """The time ratios of the timed ``results``, one row per case, and how they were taken."""
+    others = [m for m in methods if m != FLOOR]
     rows = [
         [r.case.model, "{:.1f}".format(1e3 * statistics.median(r.timing[FLOOR].floor_seconds) / r.case.batches),
-         len(r.timing[FLOOR].ratios)]
-        + [r.timing[m].cell() for m in methods if m != FLOOR]
+         len(r.timing[others[0]].ratios)]
+        + [r.timing[m].cell() for m in others]
         for r in results
     ]
     return (
         "Time of each method over the time of the plain train-mode forward under `no_grad` on the "
-        "same batches: median of the per-repetition ratios (`reps` of them), order rotated each "
-        "repetition, after one untimed warm-up (min-max of the ratios in parentheses). A call "
-        "includes everything the function does once per call (finding the layers, snapshot and "
-        "restore of buffers, the report). 1-minute load average when the table was written: "
-        "{:.2f} on {} logical cores.\n\n".format(os.getloadavg()[0], os.cpu_count())
-        + markdown_table(["model", "floor (ms/batch)", "reps"] + [m for m in methods if m != FLOOR], rows)
+        "same batches: median of the per-repetition ratios (`reps` of them), each ratio against a "
+        "floor run timed right next to the method's run (before it on even repetitions, after it "
+        "on odd ones; methods in rotated order), after one untimed warm-up (min-max of the ratios "
+        "in parentheses). A call includes everything the function does once per call (finding "
+        "the layers, snapshot and restore of buffers, the report). 1-minute load average when the "
+        "table was written: {:.2f} on {} logical cores.\n\n".format(os.getloadavg()[0], os.cpu_count())
+        + markdown_table(["model", "floor (ms/batch)", "reps"] + others, rows)
     )
 
 

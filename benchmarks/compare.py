@@ -65,7 +65,7 @@ FULL = Config(
         Case("r2plus1d_18", (3, 8, 56, 56), 4, 8),
         Case("bn_mlp", (256,), 256, 64, options=MLP),
     ],
-    reps=7,
+    reps=5,
     min_seconds=60.0,
     scaling=Case("resnet_style_2d", (3, 32, 32), 16, 0),
     batch_counts=(4, 16, 64),
@@ -330,8 +330,9 @@ def render(cfg: Config, args, timed, shifted, memory, counts, by_batches, mem_sc
         "warm-up. Resolution: one page, but heap and Python-object churn move figures by a few "
         "hundred KiB either way, so |values| under ~0.5 MiB are zero within noise. What this "
         "counts: state kept across batches (precise-bn: per layer a float64 mean and M2 per "
-        "channel, plus a snapshot of the model's buffers for the restore) and transient copies "
-        "(`exact`: a float64 copy of one BN input at a time).".format(MEMORY_BATCHES, cfg.memory_repeats),
+        "channel, a float32 block of up to 64 calls' per-channel mean and variance, allocated "
+        "before the first batch, and a snapshot of the model's buffers for the restore) and "
+        "transient copies (`exact`: a float64 copy of one BN input at a time).".format(MEMORY_BATCHES, cfg.memory_repeats),
         common.markdown_table(["model"] + METHODS[1:], memory_rows),
         "### Scaling",
         "![scaling](scaling.png)",

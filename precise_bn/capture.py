@@ -46,9 +46,9 @@ def calls_per_block(channels: int) -> int:
     """Calls a layer of ``channels`` channels keeps before merging them (16 to 64)."""
     return max(16, min(MAX_BLOCK_CALLS, _BLOCK_VALUES // max(channels, 1)))
 
+
 _CAPTURE_ATTR = "_precise_bn_capture"
 _CAPTURING_CLASSES: Dict[type, type] = {}
-
 
 # Classes whose forward in training mode is exactly ``F.batch_norm`` with batch statistics
 # (SyncBatchNorm's too, once it runs as plain BN for the pass): the capture calls the kernel
