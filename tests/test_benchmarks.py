@@ -47,6 +47,13 @@ def test_quick_runs_write_both_sections_and_the_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == PNG
 
 
+def test_quick_interleaved_run_writes_its_section(tmp_path):
+    text = _quick("interleaved.py", tmp_path)
+    assert text.count("<!-- BEGIN interleaved -->") == 1 and text.count("<!-- END interleaved -->") == 1
+    for variant in ("| identical |", "| empty hook |", "| capture |"):
+        assert variant in text
+
+
 def test_write_section_replaces_only_its_own_block(tmp_path):
     path = tmp_path / "RESULTS.md"
     common.write_section(path, "a", "first A")
