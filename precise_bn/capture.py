@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .estimator import PopulationStats
+from .estimator import PopulationStats, combine_calls
 
 # Calls kept per block before a merge: 64, or fewer for wide layers so that a block holds at
 # most 64Ki channel values. A merge is one conversion copy and about fifteen small operators,
@@ -216,7 +216,8 @@ class CallCapture:
         if block.counts:
             pending = block.pending()
             pairs = self._scratch.buffer(pending.shape, pending.device, torch.float64).copy_(pending)
-            self.stats.add_batches(pairs[0], pairs[1], block.counts, unbiased=True)
+            count, mean, m2 = combine_calls(pairs[0], pairs[1], block.counts, unbiased=True)
+            self.stats.add_moments(count, mean, m2, calls=len(block.counts))
             block.counts = []
 
     def flush(self) -> PopulationStats:
@@ -243,30 +244,24 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
 
     At the end of a pass every layer has a partly filled block, and merging each alone costs
     some twenty small operators per layer, which on a CPU adds up to milliseconds. Layers whose
-    k pending calls all count the same n_l elements per channel are merged together instead,
-    concatenated along the channel axis: ``mean = sum_i m_i / k`` and
-    ``M2 = (n - 1) sum_i v_i + n sum_i (m_i - mean)^2`` per channel, in float64, about ten
-    operators for all of them plus the per-layer Chan step.
+    k pending calls all count the same n elements per channel (on one device, in one dtype) are
+    merged together instead: their blocks concatenated along the channel axis go through one
+    :func:`~precise_bn.estimator.combine_calls`, then each layer takes its channels' part.
     """
-    groups: Dict[Tuple[torch.device, torch.dtype, int], List[Tuple[CallCapture, _Block]]] = {}
+    groups: Dict[Tuple[torch.device, torch.dtype, int, int], List[Tuple[CallCapture, _Block]]] = {}
     for capture in captures:
         with capture._lock:
             block = capture._uniform_pending()
         if block is None:
             capture.flush()
         else:
-            key = (block.store.device, block.store.dtype, len(block.counts))
+            key = (block.store.device, block.store.dtype, len(block.counts), block.counts[0])
             groups.setdefault(key, []).append((capture, block))
-    for (device, _, calls), members in groups.items():
+    for (_, _, calls, n), members in groups.items():
         pending = torch.cat([block.pending() for _, block in members], dim=2).double()
-        means, variances = pending[0], pending[1]
+        count, mean, m2 = combine_calls(pending[0], pending[1], [n] * calls, unbiased=True)
         widths = [block.store.shape[2] for _, block in members]
-        counts = torch.tensor([block.counts[0] for _, block in members], dtype=torch.float64)
-        n = torch.repeat_interleave(counts, torch.tensor(widths)).to(device)
-        mean = means.mean(0)
-        deviation = means.sub_(mean)
-        m2 = variances.sum(0).mul_(n - 1.0).add_(deviation.mul_(deviation).sum(0).mul_(n))
         for (capture, block), layer_mean, layer_m2 in zip(members, mean.split(widths), m2.split(widths)):
-            capture.stats.add_moments(calls * block.counts[0], layer_mean, layer_m2, calls=calls)
+            capture.stats.add_moments(count, layer_mean, layer_m2, calls=calls)
             block.counts = []
     return [capture.stats for capture in captures]

@@ -38,6 +38,28 @@ Number = Union[int, float]
 _FLOAT32_REL = 2.0 ** -24
 
 
+def combine_calls(
+    means: torch.Tensor, variances: torch.Tensor, counts: Sequence[int], unbiased: bool = False
+) -> Tuple[int, torch.Tensor, torch.Tensor]:
+    """Combine k calls into ``(count, mean, M2)`` per channel, ready for
+    :meth:`PopulationStats.add_moments`.
+
+    ``means`` and ``variances`` are float64 ``(k, C)`` work buffers, **overwritten** here;
+    ``counts`` holds the k (positive) element counts; ``unbiased`` says the variances carry
+    Bessel's correction. The calls are combined exactly around their own weighted mean
+    (``M2 = sum M2_i + sum n_i (mean_i - mean)^2``, every term non-negative): thirteen
+    operators for the k calls instead of four per call, and no temporary of the block's size
+    (on a CPU, each fresh megabyte costs page faults).
+    """
+    total = sum(counts)
+    weights = torch.tensor(counts, dtype=torch.float64, device=means.device)
+    mean = torch.matmul(weights, means).div_(total)
+    m2 = torch.matmul(weights - 1.0 if unbiased else weights, variances)
+    deviation = means.sub_(mean)
+    m2.add_(torch.matmul(weights, deviation.mul_(deviation)))
+    return total, mean, m2
+
+
 class PopulationStats:
     """Running (count, mean, M2) per channel of one BN layer, in float64.
 
@@ -77,27 +99,6 @@ class PopulationStats:
         scale = float(count - 1) if unbiased else float(count)
         self._merge_moments(count, mean, var, scale, calls=1)
 
-    def add_batches(
-        self, means: torch.Tensor, variances: torch.Tensor, counts: Sequence[int], unbiased: bool = False
-    ) -> None:
-        """Add ``k`` calls at once. ``means`` and ``variances`` are float64 ``(k, C)`` work
-        buffers, **overwritten** here; ``counts`` holds the k element counts.
-
-        The k calls are first combined exactly around their own weighted mean
-        (``M2 = sum M2_i + sum n_i (mean_i - mean)^2``, every term non-negative), then merged
-        like one batch: thirteen operators for the k calls instead of four per call, and no
-        temporary of the block's size (on a CPU, each fresh megabyte costs page faults).
-        """
-        total = sum(counts)
-        if total <= 0:
-            return
-        weights = torch.tensor(counts, dtype=torch.float64, device=means.device)
-        mean = torch.matmul(weights, means).div_(total)
-        m2 = torch.matmul(weights - 1.0 if unbiased else weights, variances)
-        deviation = means.sub_(mean)
-        m2.add_(torch.matmul(weights, deviation.mul_(deviation)))
-        self._merge_moments(total, mean, m2, 1.0, calls=len(counts))
-
     def add_caffe2(self, sm, siv, eps: float, count: int) -> None:
         """Add one Caffe2 SpatialBN call: saved mean ``sm`` and saved inverse std ``siv``.
 
@@ -120,7 +121,7 @@ class PopulationStats:
 
     def add_moments(self, count: int, mean: torch.Tensor, m2: torch.Tensor, calls: int = 1) -> None:
         """Add a group of ``calls`` calls with ``count`` elements per channel, already combined
-        into float64 ``mean`` and ``M2`` (see :func:`precise_bn.capture.flush`)."""
+        into float64 ``mean`` and ``M2`` (see :func:`combine_calls`)."""
         self._merge_moments(count, mean, m2, 1.0, calls=calls)
 
     def merge(self, other: "PopulationStats") -> None:

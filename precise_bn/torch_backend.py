@@ -12,7 +12,7 @@ What one call contributes, and why it is free (the mechanics are in :mod:`precis
 * ``exact=True``: each call's mean and biased variance are computed from the BN input itself,
   shifted by the call's own float32 batch mean so that nothing cancels even when
   mean/std = 1e4, with float64 sums over a buffer reused across calls: the result matches a
-  float64 two-pass reference to ~1e-15, for about the cost of the BN kernel itself.
+  float64 two-pass reference to ~1e-13, for about the cost of one or two BN kernels.
 * SyncBatchNorm layers run as plain BatchNorm during the pass: a call normalises with its own
   rank's batch and issues no collective. A per-call all-gather would pair up with another
   rank's merge or hang as soon as ranks have different numbers of batches; and normalising each
