@@ -1,15 +1,16 @@
 """precise-bn: exact population BatchNorm statistics for PyTorch and Caffe2 models.
 
-    from precise_bn import update_bn_stats
-    report = update_bn_stats(model, train_loader, num_iters=200)
+    from precise_bn import recompute
+    report = recompute(model, train_loader, num_batches=200)
     print(report)
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
+from .api import recompute, update_bn, update_bn_stats
 from .errors import (
     BackendUnavailableError,
+    BatchError,
     CheckpointError,
     ConfigError,
     DistributedError,
@@ -23,12 +24,14 @@ from .errors import (
 from .estimator import PopulationStats
 from .helper import BatchNormHelper
 from .hooks import PreciseBNHook
+from .options import Options
+from .pytorch.layers import get_bn_modules, select_layers
 from .report import BNReport, LayerReport
-from .torch_backend import get_bn_modules, select_layers, update_bn, update_bn_stats
 
 __all__ = [
     "BNReport",
     "BackendUnavailableError",
+    "BatchError",
     "BatchNormHelper",
     "CheckpointError",
     "ConfigError",
@@ -37,12 +40,15 @@ __all__ = [
     "LayerError",
     "LayerReport",
     "NonFiniteStatsError",
+    "Options",
     "PopulationStats",
     "PreciseBNError",
     "PreciseBNHook",
     "PreciseBNWarning",
     "UnsafeCheckpointError",
+    "__version__",
     "get_bn_modules",
+    "recompute",
     "select_layers",
     "update_bn",
     "update_bn_stats",

@@ -3,6 +3,9 @@
     from precise_bn.classy import PreciseBatchNormHook
     task.set_hooks([PreciseBatchNormHook(num_samples=4096), CheckpointHook(...)])
 
+or, in a task config, ``{"name": "exact_precise_bn", "num_samples": 4096}`` (ClassyVision's own
+hook keeps the name ``"precise_bn"``).
+
 Same constructor arguments and schedule as ClassyVision's: at the end of every training phase
 the task's base model is recomputed on ``num_samples`` samples per replica, either cached from
 the phase's own batches (``cache_samples=True``) or read from a fresh training dataloader, and
@@ -17,17 +20,20 @@ samples exactly, so all replicas end with identical stats.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from typing import Any, Dict, Iterable, Iterator, List
 
 import torch
 from torch import nn
 
+from .api import recalibrate
 from .data import count_samples, move_to_device
 from .errors import BackendUnavailableError, ConfigError
-from .torch_backend import update_bn_stats
+from .options import Options, check_names
 
 try:
-    from classy_vision.hooks import ClassyHook
+    from classy_vision.hooks import ClassyHook, register_hook
 except ImportError as error:
     raise BackendUnavailableError(
         "precise_bn.classy needs ClassyVision: pip install 'precise-bn[classy]' "
@@ -35,6 +41,9 @@ except ImportError as error:
     ) from error
 
 logger = logging.getLogger("precise_bn")
+
+#: The name this hook is registered under in ClassyVision's hook registry.
+REGISTRY_NAME = "exact_precise_bn"
 
 
 def _forward_input(model: nn.Module, model_input: Any) -> Any:
@@ -46,36 +55,52 @@ def _inputs(samples: Iterable[Dict[str, Any]]) -> Iterator[Any]:
         yield sample["input"]
 
 
+# ClassyVision's own hook has the same class name; its registry then needs bypass_checks.
+@register_hook(REGISTRY_NAME, bypass_checks=True)
 class PreciseBatchNormHook(ClassyHook):
     """Recompute the base model's BN stats at the end of each training phase.
 
     Args:
-        num_samples: samples per replica to measure on (the batch that crosses it is used
-            whole). A phase or a dataset shorter than that gives fewer, with a warning.
+        num_samples: samples per replica to measure on, a positive number (the batch that
+            crosses it is used whole). A phase or a dataset shorter than that gives fewer, with
+            a warning.
         cache_samples: keep the inputs of the phase's first ``num_samples`` training samples on
             the CPU and measure on them, instead of building a new training dataloader at
             the end of the phase (more memory, no second pass over the dataset).
-        **options: passed to :func:`precise_bn.update_bn_stats` (``exact``, ``autocast``...).
+        **options: options of :func:`precise_bn.recompute` (``exact``, ``autocast``, ``rtol``...),
+            checked now.
     """
 
     on_end = ClassyHook._noop
 
-    def __init__(self, num_samples: int, cache_samples: bool = False, **options: Any) -> None:
+    def __init__(self, num_samples: float, cache_samples: bool = False, **options: Any) -> None:
         super().__init__()
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-            raise ConfigError("num_samples must be a positive integer, got {!r}".format(num_samples))
+        if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Real) or not num_samples > 0:
+            raise ConfigError("num_samples must be a positive number, got {!r}".format(num_samples))
         self.num_samples = num_samples
-        self.cache_samples = cache_samples
-        self.options = options
+        self.cache_samples = bool(cache_samples)
+        self.options = Options.build("PreciseBatchNormHook", num_samples=math.ceil(num_samples),
+                                     forward_fn=_forward_input, **options)
         self._cached: List[Any] = []
         self._cached_samples = 0
 
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "PreciseBatchNormHook":
+        """Build from a task config entry: ``num_samples`` (required), ``cache_samples``, and
+        any option of :func:`precise_bn.recompute`; an unknown key raises ``TypeError``."""
+        config = dict(config)
+        config.pop("name", None)
+        check_names("PreciseBatchNormHook.from_config", config,
+                    ["num_samples", "cache_samples"] + [f for f in Options.__dataclass_fields__
+                                                         if f not in ("num_samples", "forward_fn")])
+        if "num_samples" not in config:
+            raise ConfigError("PreciseBatchNormHook.from_config: num_samples is required")
+        return cls(**config)
+
     def on_start(self, task: Any) -> None:
         logger.info(
-            "precise-bn: recomputing BN stats at the end of each training phase on %d samples "
-            "per replica (%s)",
-            self.num_samples,
-            "cached from the phase" if self.cache_samples else "read from a new dataloader",
+            "precise-bn: recomputing BN stats at the end of each training phase on %s samples per replica (%s)",
+            self.num_samples, "cached from the phase" if self.cache_samples else "read from a new dataloader",
         )
 
     def on_phase_start(self, task: Any) -> None:
@@ -98,9 +123,7 @@ class PreciseBatchNormHook(ClassyHook):
         else:
             task.build_dataloaders_for_current_phase()
             inputs = _inputs(task.dataloader)
-        options = dict(self.options)
-        options.setdefault("device", "cuda" if task.use_gpu else None)
-        update_bn_stats(
-            task.base_model, inputs, num_iters=None, num_samples=self.num_samples,
-            forward_fn=_forward_input, **options
-        )
+        options = self.options
+        if options.device is None and task.use_gpu:
+            options = options.replace(device="cuda")
+        recalibrate(task.base_model, inputs, options)

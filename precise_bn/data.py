@@ -1,31 +1,70 @@
-"""How batches reach the model: the calling convention, device moves, sample counts, budgets."""
+"""How batches reach the model: calling conventions, device moves, sample counts, budgets."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple
+from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
+from torch import nn
 
-from .errors import ConfigError
-
-ForwardFn = Callable[[torch.nn.Module, Any], Any]
+from .options import ForwardFn
 
 
-def default_forward(model: torch.nn.Module, batch: Any) -> Any:
-    """Run ``model`` on ``batch`` with the convention shared by fvcore and swa_utils.
+def smart_forward(model: nn.Module, batch: Any) -> Any:
+    """The default of :func:`precise_bn.recompute`: what the model most likely takes.
 
     * a tensor: ``model(batch)``;
-    * a list/tuple whose first item is a tensor, e.g. ``(input, target)``: ``model(batch[0])``
-      (the ``torch.optim.swa_utils.update_bn`` convention);
+    * a list/tuple whose first item is a tensor, ``(input, target, ...)``: ``model(batch[0])``;
     * a mapping with an ``"input"`` key (ClassyVision samples): ``model(batch["input"])``;
-    * anything else, e.g. detectron2's list of dicts: ``model(batch)`` as fvcore does.
-    Pass ``forward_fn(model, batch)`` for any other convention.
+    * anything else (a list of dicts, a dict of other keys): ``model(batch)``.
     """
     if isinstance(batch, (list, tuple)) and batch and torch.is_tensor(batch[0]):
         return model(batch[0])
     if isinstance(batch, Mapping) and "input" in batch:
         return model(batch["input"])
     return model(batch)
+
+
+def recognised(batch: Any) -> bool:
+    """True when :func:`smart_forward` knows what part of ``batch`` is the input."""
+    return (
+        torch.is_tensor(batch)
+        or (isinstance(batch, (list, tuple)) and bool(batch) and torch.is_tensor(batch[0]))
+        or (isinstance(batch, Mapping) and "input" in batch)
+    )
+
+
+def whole_batch_forward(model: nn.Module, batch: Any) -> Any:
+    """fvcore's convention: ``model(batch)``, whatever the batch is."""
+    return model(batch)
+
+
+def input_key_forward(key: str) -> ForwardFn:
+    """``model(batch[key])``: for mappings whose input sits under another key than ``"input"``."""
+
+    def forward(model: nn.Module, batch: Any) -> Any:
+        return model(batch[key])
+
+    forward.__qualname__ = "input_key_forward({!r})".format(key)
+    return forward
+
+
+def describe(batch: Any, depth: int = 0) -> str:
+    """A one-line picture of a batch's structure: types, keys and tensor shapes."""
+    if torch.is_tensor(batch):
+        return "Tensor[{}] {}".format(", ".join(str(s) for s in batch.shape), str(batch.dtype).replace("torch.", ""))
+    if depth >= 2:
+        return type(batch).__name__
+    if isinstance(batch, Mapping):
+        items = ["{!r}: {}".format(k, describe(v, depth + 1)) for k, v in list(batch.items())[:8]]
+        more = ", ..." if len(batch) > 8 else ""
+        return "{}{{{}{}}}".format("" if type(batch) is dict else type(batch).__name__, ", ".join(items), more)
+    if isinstance(batch, (list, tuple)):
+        items = [describe(v, depth + 1) for v in list(batch)[:4]]
+        more = ", ... ({} items)".format(len(batch)) if len(batch) > 4 else ""
+        left, right = ("[", "]") if isinstance(batch, list) else ("(", ")")
+        return "{}{}{}{}".format(left, ", ".join(items), more, right)
+    return type(batch).__name__
 
 
 def move_to_device(batch: Any, device: Optional[torch.device]) -> Any:
@@ -44,7 +83,7 @@ def move_to_device(batch: Any, device: Optional[torch.device]) -> Any:
 
 
 def count_samples(batch: Any) -> int:
-    """Samples in a batch: the leading size of the tensor the model gets, else its length."""
+    """Samples in a batch: the leading size of its first tensor, else its length."""
     if torch.is_tensor(batch):
         return int(batch.shape[0]) if batch.dim() > 0 else 1
     if isinstance(batch, Mapping):
@@ -56,22 +95,27 @@ def count_samples(batch: Any) -> int:
     return 1
 
 
-def check_budget(num_iters: Optional[int], num_samples: Optional[int]) -> None:
-    """Validate the budget arguments: positive integers, or None for no limit."""
-    for name, value in (("num_iters", num_iters), ("num_samples", num_samples)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ConfigError("{} must be a positive integer, got {!r}".format(name, value))
+def planned_batches(data: Iterable[Any], num_batches: Optional[int]) -> Optional[int]:
+    """How many batches a pass will read, when that is known before it starts: the budget,
+    capped by the data's length when it has one. None when neither is known."""
+    try:
+        length: Optional[int] = len(data)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    if num_batches is None:
+        return length
+    return num_batches if length is None else min(num_batches, length)
 
 
 def take_budget(
-    batches: Iterator[Any], num_iters: Optional[int], num_samples: Optional[int]
+    batches: Iterator[Any], num_batches: Optional[int], num_samples: Optional[int]
 ) -> Iterator[Tuple[Any, int]]:
-    """Yield ``(batch, samples)`` until ``num_iters`` batches or ``num_samples`` samples are seen.
+    """Yield ``(batch, samples)`` until ``num_batches`` batches or ``num_samples`` samples are seen.
 
     A batch is never cut: the one that crosses ``num_samples`` is used whole.
     """
-    seen_iters = seen_samples = 0
-    while (num_iters is None or seen_iters < num_iters) and (
+    seen_batches = seen_samples = 0
+    while (num_batches is None or seen_batches < num_batches) and (
         num_samples is None or seen_samples < num_samples
     ):
         try:
@@ -79,7 +123,7 @@ def take_budget(
         except StopIteration:
             return
         samples = count_samples(batch)
-        seen_iters += 1
+        seen_batches += 1
         seen_samples += samples
         yield batch, samples
 

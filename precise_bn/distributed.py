@@ -1,35 +1,37 @@
-"""A thin layer over ``torch.distributed``: who am I, and the exact cross-rank merge.
+"""A thin layer over ``torch.distributed``: who am I, and rounds in which ranks agree or fail together.
 
 Everything here is the identity on a single process (no process group, or a torch build
 without distributed support), so callers never branch on it.
 
-Why gather-then-merge instead of ``all_reduce(SUM)`` of moments: a floating-point all-reduce
-sums in an order the backend chooses (ring, tree), which can differ between ranks and runs, so
-ranks could end with stats that differ in the last bits. Gathering every rank's
-``(count, mean, M2)`` and merging them in rank order with Chan's formula performs the very same
-float64 operations on every rank: the results are bit-identical and weighted by true counts.
-The payload is a few numbers per channel, so one gather per pass costs nothing.
+Why rounds of fixed-size headers: ``all_gather`` needs equal sizes on every rank and matches
+calls by order only. Each round starts with every rank's header (status, batches and samples
+so far, layout fingerprint), so every rank sees the same facts and takes the same decision:
+go on, merge, or raise the same :class:`DistributedError`. A rank that fails, at any point of
+its call, answers the round the others are in with a FAILED header (:meth:`Ranks.abort`); a
+rank that died or hangs is given up after ``timeout`` seconds, and the error says which.
 
-Why a header round first: ``all_gather`` needs equal sizes on every rank and matches calls by
-order only. Exchanging a fixed-size header (status, layout fingerprint, batch and sample
-counts) before the payload lets every rank see the same facts and take the same decision:
-merge, or raise the same error on every rank, so that no rank is ever left waiting.
+Why gather-then-merge instead of ``all_reduce(SUM)`` of moments: a floating-point all-reduce
+sums in an order the backend chooses, which can differ between ranks and runs. Gathering every
+rank's packed :class:`~precise_bn.estimator.PopulationStats` and merging them in rank order on
+the CPU performs the very same float64 operations on every rank: the results, and every
+decision taken from them, are bit-identical.
 """
 from __future__ import annotations
 
-import contextlib
+import datetime
 import zlib
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .errors import ConfigError, DistributedError
+from .errors import DistributedError
 from .estimator import PopulationStats
 
-_OK, _FAILED = 0, 1
+ACTIVE, DONE, FAILED = 0, 1, 2
+_HEADER = 6
 
 
-def _dist():
+def _dist() -> Any:
     import torch.distributed as dist
 
     return dist
@@ -44,12 +46,12 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_world_size(group=None) -> int:
+def get_world_size(group: Any = None) -> int:
     """Number of processes in ``group``; 1 without a process group."""
     return _dist().get_world_size(group) if is_distributed() else 1
 
 
-def get_rank(group=None) -> int:
+def get_rank(group: Any = None) -> int:
     """This process's rank in ``group``; 0 without a process group."""
     return _dist().get_rank(group) if is_distributed() else 0
 
@@ -59,13 +61,19 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def barrier(group=None) -> None:
+def barrier(group: Any = None) -> None:
     """Wait for every rank; a no-op on one process."""
     if get_world_size(group) > 1:
         _dist().barrier(group=group)
 
 
-def collective_device(group=None) -> torch.device:
+def resolve_sync(sync: Optional[bool], group: Any = None) -> bool:
+    """Whether to merge: ``sync=None`` means whenever ``group`` spans more than one process."""
+    spans = get_world_size(group) > 1
+    return spans if sync is None else bool(sync) and spans
+
+
+def collective_device(group: Any = None) -> torch.device:
     """The device collectives of ``group`` run on: the current GPU for NCCL alone, else the CPU."""
     if is_distributed():
         backend = str(_dist().get_backend(group)).lower()
@@ -74,36 +82,8 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_mean(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Average ``tensor`` over the ranks of ``group`` in place and return it.
-
-    The Caffe2-era utility: identity on one process. Every rank counts once, whatever it saw,
-    so use it for values that are fine to average with equal weight (losses, metrics);
-    population statistics go through :func:`merge_ranks`, which weights by element counts.
-    """
-    if not tensor.is_floating_point():
-        raise ConfigError(
-            "all_reduce_mean needs a floating-point tensor, got {}: the mean of integers is "
-            "not an integer".format(tensor.dtype)
-        )
-    world = get_world_size(group)
-    if world == 1:
-        return tensor
-    with torch.no_grad():
-        buf = tensor.detach().to(collective_device(group))
-        _dist().all_reduce(buf, group=group)
-        tensor.copy_(buf.div_(world))
-    return tensor
-
-
-def _all_gather(tensor: torch.Tensor, group=None) -> List[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(get_world_size(group))]
-    _dist().all_gather(parts, tensor, group=group)
-    return [p.cpu() for p in parts]
-
-
-def _layout(stats: Sequence[PopulationStats]) -> Tuple[int, int, int]:
-    """(layers, channels, fingerprint of names and widths): equal on ranks that merge alike.
+def layout(stats: Sequence[PopulationStats]) -> Tuple[int, int, int]:
+    """(layers, channels, CRC32 of names and widths): equal on ranks that merge alike.
 
     A CRC32 is below 2**32, so it travels exactly in float64.
     """
@@ -111,115 +91,91 @@ def _layout(stats: Sequence[PopulationStats]) -> Tuple[int, int, int]:
     return len(stats), sum(s.num_channels for s in stats), zlib.crc32(text.encode("utf-8"))
 
 
-def _exchange_headers(
-    status: int, layout: Tuple[int, int, int], batches: int, samples: int, group=None
-) -> List[List[int]]:
-    header = torch.tensor(
-        [status, layout[0], layout[1], layout[2], batches, samples],
-        dtype=torch.float64,
-        device=collective_device(group),
-    )
-    return [[int(v) for v in h.tolist()] for h in _all_gather(header, group)]
+class Header(NamedTuple):
+    """One rank's header in a round."""
 
-
-def abort_merge(group=None) -> None:
-    """Join the merge as a rank whose pass failed, so the others raise instead of waiting.
-
-    Call it in place of :func:`merge_ranks` when this rank's pass raised, then re-raise the
-    rank's own error. Every other rank's :func:`merge_ranks` raises :class:`DistributedError`
-    naming the failed ranks. Identity on one process.
-    """
-    if get_world_size(group) > 1:
-        _exchange_headers(_FAILED, (0, 0, 0), 0, 0, group)
-
-
-@contextlib.contextmanager
-def abort_merge_on_error(enabled: bool, group=None) -> Iterator[None]:
-    """Around the part of a pass that may fail on one rank only (data loading, forwards).
-
-    If the block raises an ``Exception`` and ``enabled``, call :func:`abort_merge` and re-raise:
-    the failing rank leaves with its own error, the others with a :class:`DistributedError`.
-    Leave :func:`merge_ranks` itself outside the block: a rank that merged must not also abort.
-    """
-    try:
-        yield
-    except Exception:
-        if enabled:
-            abort_merge(group)
-        raise
-
-
-class MergedStats(NamedTuple):
-    """What :func:`merge_ranks` returns: merged per-layer estimators and the all-rank totals."""
-
-    stats: List[PopulationStats]
+    status: int
     batches: int
     samples: int
+    layout: Tuple[int, int, int]
 
 
-def merge_ranks(
-    stats: Sequence[PopulationStats], batches: int, samples: int, group=None
-) -> MergedStats:
-    """Merge every rank's per-layer estimators and sum the ranks' batch and sample counts.
+class Ranks:
+    """The rounds of one call across the ranks of ``group`` (the identity on one process).
 
-    Every rank must pass the same layers (same names, same order, same channel counts); ranks
-    may have seen different numbers of batches and samples, zero included. Two collectives per
-    call, whatever the number of layers: the header round, then one gather of all layers'
-    ``(count, mean, M2)``, calls and clamped counts packed in one float64 vector. Every rank
-    merges the gathered parts on the CPU in rank order, so all end with identical bits.
-
-    Raises:
-        DistributedError: on every rank alike, when the ranks' layers differ or a rank
-            reported a failed pass with :func:`abort_merge`.
+    Every rank runs the same sequence of rounds; :meth:`exchange` raises
+    :class:`DistributedError` on every rank alike when any rank reported a failure or the
+    ranks disagree on the layout. After a rank raised, :meth:`abort` sends no more rounds.
     """
-    world = get_world_size(group)
-    if world == 1:
-        return MergedStats(list(stats), batches, samples)
-    headers = _exchange_headers(_OK, _layout(stats), batches, samples, group)
-    failed = [rank for rank, h in enumerate(headers) if h[0] != _OK]
-    if failed:
-        raise DistributedError(
-            "rank(s) {} failed during the BatchNorm pass (their own error says why); no rank "
-            "merged any stats".format(failed)
-        )
-    if len({tuple(h[1:4]) for h in headers}) != 1:
-        raise DistributedError(
-            "ranks disagree on the BatchNorm layers to merge: (layers, channels, checksum of "
-            "names and widths) per rank = {}; every rank must recalibrate the same layers of the "
-            "same model".format([tuple(h[1:4]) for h in headers])
-        )
-    total_batches = sum(h[4] for h in headers)
-    total_samples = sum(h[5] for h in headers)
-    device = collective_device(group)
-    tallies = torch.tensor(
-        [float(v) for s in stats for v in (s.calls, s.clamped)], dtype=torch.float64
-    )
-    payload = torch.cat([s.state().to(device) for s in stats] + [tallies.to(device)])
-    tally_start = payload.numel() - 2 * len(stats)
-    gathered = [(part, part[tally_start:].tolist()) for part in _all_gather(payload, group)]
-    merged = []
-    offset = 0
-    for index, local in enumerate(stats):
-        width = 1 + 2 * local.num_channels
-        total = PopulationStats(local.num_channels, name=local.name, device=torch.device("cpu"))
-        for part, rank_tallies in gathered:
-            rank_stats = PopulationStats.from_state(
-                part[offset : offset + width], name=local.name, calls=int(rank_tallies[2 * index])
-            )
-            rank_stats.clamped = int(rank_tallies[2 * index + 1])
-            total.merge(rank_stats)
-        merged.append(_to_device(total, local.device))
-        offset += width
-    return MergedStats(merged, total_batches, total_samples)
 
+    def __init__(self, enabled: bool, group: Any = None, timeout: float = 300.0):
+        self.world = get_world_size(group) if enabled else 1
+        self.group = group
+        self.timeout = timeout
+        self.finished = self.world == 1
+        self.device = collective_device(group) if self.world > 1 else torch.device("cpu")
 
-def _to_device(stats: PopulationStats, device: torch.device) -> PopulationStats:
-    stats.mean = stats.mean.to(device)
-    stats.m2 = stats.m2.to(device)
-    return stats
+    def _gather(self, tensor: torch.Tensor, what: str) -> List[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        try:
+            work = _dist().all_gather(parts, tensor, group=self.group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            self.finished = True  # the group is unusable now: no rank can be waited for again
+            raise DistributedError(
+                "rank {}: the {} with the other ranks failed or waited more than {:g} s (a rank "
+                "died, hangs, or left early; timeout= sets the wait): {}".format(
+                    get_rank(self.group), what, self.timeout, str(exc).splitlines()[0] if str(exc) else exc)
+            ) from exc
+        return [p.cpu() for p in parts]
 
+    def exchange(self, status: int, batches: int = 0, samples: int = 0,
+                 layout_: Tuple[int, int, int] = (0, 0, 0)) -> List[Header]:
+        """One round of headers; returns every rank's, in rank order."""
+        if self.world == 1:
+            return [Header(status, batches, samples, layout_)]
+        mine = torch.tensor([status, batches, samples, *layout_], dtype=torch.float64, device=self.device)
+        assert mine.numel() == _HEADER
+        headers = [Header(int(h[0]), int(h[1]), int(h[2]), tuple(int(v) for v in h[3:]))
+                   for h in (part.tolist() for part in self._gather(mine, "exchange of status"))]
+        failed = [rank for rank, h in enumerate(headers) if h.status == FAILED]
+        if failed:
+            self.finished = True
+            raise DistributedError(
+                "rank(s) {} failed (their own error says why); no rank changed its model".format(failed))
+        layouts = {h.layout for h in headers if h.layout != (0, 0, 0)}
+        if len(layouts) > 1:
+            self.finished = True
+            raise DistributedError(
+                "ranks disagree on the BatchNorm layers to merge: (layers, channels, checksum of names "
+                "and widths) per rank = {}; every rank must recalibrate the same layers of the same "
+                "model".format([h.layout for h in headers]))
+        return headers
 
-def resolve_sync(sync: Optional[bool], group=None) -> bool:
-    """Whether to merge: ``sync=None`` means whenever ``group`` spans more than one process."""
-    spans = get_world_size(group) > 1
-    return spans if sync is None else bool(sync) and spans
+    def gather_stats(self, stats: Sequence[PopulationStats]) -> List[PopulationStats]:
+        """Every rank's stats merged in rank order, on the CPU: identical bits on every rank."""
+        if self.world == 1:
+            return list(stats)
+        payload = torch.cat([torch.zeros(0, dtype=torch.float64)] + [s.state().cpu() for s in stats]).to(self.device)
+        parts = self._gather(payload, "merge of statistics")
+        merged = []
+        offset = 0
+        for local in stats:
+            size = PopulationStats.state_size(local.num_channels)
+            total = PopulationStats(local.num_channels, name=local.name, device=torch.device("cpu"))
+            for part in parts:
+                total.merge(PopulationStats.from_state(part[offset: offset + size], name=local.name))
+            merged.append(total)
+            offset += size
+        return merged
+
+    def abort(self) -> None:
+        """Answer the round the other ranks are in with a failure, unless this rank is past its
+        last round or the group is broken; never raises (the caller re-raises its own error)."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.exchange(FAILED)
+        except DistributedError:
+            pass

@@ -14,6 +14,11 @@ class EmptyDataError(PreciseBNError):
     """The data source gave no batch at all (on every rank), so there is nothing to measure."""
 
 
+class BatchError(PreciseBNError, TypeError):
+    """The model could not take a batch the way it was handed over; the message shows the
+    batch's structure and the options (``forward_fn``, ``input_key``) that fix it."""
+
+
 class NonFiniteStatsError(PreciseBNError, FloatingPointError):
     """A layer's batch statistics contain NaN or Inf; the message names the layer."""
 
@@ -23,7 +28,7 @@ class LayerError(PreciseBNError):
 
 
 class DistributedError(PreciseBNError):
-    """Ranks disagree on what they are merging (different layers or channel counts)."""
+    """Another rank failed, timed out or disagrees on what is merged; no rank changed its model."""
 
 
 class CheckpointError(PreciseBNError):

@@ -1,4 +1,4 @@
-"""Per-layer population statistics, accumulated exactly in float64.
+"""Per-layer population statistics, accumulated exactly in float64, and their standard errors.
 
 Why this shape of estimator:
 
@@ -6,7 +6,7 @@ Why this shape of estimator:
   when a channel's mean is large next to its std: with mean/std = 1e4 the two terms agree in
   all 8 significant digits float32 has, and the variance comes out as noise, often negative.
   We keep instead, per channel, the element count ``n``, the mean and ``M2 = sum (x - mean)^2``,
-  all in float64, and merge batches with Chan et al.'s parallel formula::
+  all in float64, and merge groups of calls with Chan et al.'s parallel formula::
 
       delta = mean_b - mean_a
       mean  = mean_a + delta * n_b / n
@@ -21,50 +21,106 @@ Why this shape of estimator:
 * The result is the *biased* variance of every element seen, which is what BatchNorm divides
   by at inference. ``finalize(unbiased=True)`` gives ``M2 / (n - 1)`` for those who want it.
 
+Standard errors, from the spread between calls. Treat the calls as independent draws of
+``(n_i, m_i, v_i)`` (element count, mean, biased variance), as batches of a shuffled loader
+are. The written mean ``mu = sum n_i m_i / N`` is a ratio estimator; linearised (the delta
+method), its variance is estimated by ``k/(k-1) * sum n_i^2 (m_i - mu)^2 / N^2`` over the k
+calls. The written variance is ``s2 = sum n_i y_i / N`` with ``y_i = v_i + (m_i - mu)^2``; its
+derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
+taken as known and the same formula applies to ``y_i - s2``. Both need, per channel, the
+``n_i^2``-weighted means and co-moments of ``u_i = (m_i - c, v_i, (m_i - c)^2)``, kept around a
+per-channel centre ``c`` (the first call's mean, so nothing large cancels even at
+mean/std = 1e4) and merged with the weighted form of Chan's formula; then with
+``a = (-2 (mu - c), 1, 1)``, ``y_i - s2 = a . (u_i - ubar)`` where ``ubar`` is the
+``n_i``-weighted mean of ``u``, which follows from ``mu``, ``s2`` and ``c``.
+
 This module knows nothing of modules, hooks or processes: it only merges numbers.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import NonFiniteStatsError
 
-Number = Union[int, float]
+# The six entries of a symmetric 3x3 co-moment matrix, in storage order.
+_PAIRS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2))
 
-# float32 carries 24 significant bits: a saved inverse std is only known to 2**-24 relative.
-_FLOAT32_REL = 2.0 ** -24
+
+@dataclass
+class CallGroup:
+    """A group of calls combined: what :meth:`PopulationStats.add` merges.
+
+    ``count`` elements per channel over ``calls`` calls, ``weight`` = sum of the squared
+    per-call counts; float64 per channel: ``mean``, ``m2``, and around ``center`` the
+    count²-weighted mean ``u`` (3, C) and co-moments ``cov`` (6, C) of the calls' ``u_i``.
+    """
+
+    count: int
+    calls: int
+    weight: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+    center: torch.Tensor
+    u: torch.Tensor
+    cov: torch.Tensor
+
+    def split(self, widths: Sequence[int]) -> List["CallGroup"]:
+        """The group's channels cut into consecutive parts (several layers merged at once)."""
+        parts = zip(*(t.split(list(widths), dim=-1) for t in (self.mean, self.m2, self.center, self.u, self.cov)))
+        return [CallGroup(self.count, self.calls, self.weight, *part) for part in parts]
 
 
 def combine_calls(
-    means: torch.Tensor, variances: torch.Tensor, counts: Sequence[int], unbiased: bool = False
-) -> Tuple[int, torch.Tensor, torch.Tensor]:
-    """Combine k calls into ``(count, mean, M2)`` per channel, ready for
-    :meth:`PopulationStats.add_moments`.
+    means: torch.Tensor,
+    variances: torch.Tensor,
+    counts: Sequence[int],
+    center: torch.Tensor,
+    unbiased: bool = False,
+) -> CallGroup:
+    """Combine k calls, float64 ``(k, C)`` ``means`` and ``variances`` (both **overwritten**),
+    with ``counts[i]`` elements per channel each, into one :class:`CallGroup` around ``center``.
 
-    ``means`` and ``variances`` are float64 ``(k, C)`` work buffers, **overwritten** here;
-    ``counts`` holds the k (positive) element counts; ``unbiased`` says the variances carry
-    Bessel's correction. The calls are combined exactly around their own weighted mean
-    (``M2 = sum M2_i + sum n_i (mean_i - mean)^2``, every term non-negative): thirteen
-    operators for the k calls instead of four per call, and no temporary of the block's size
-    (on a CPU, each fresh megabyte costs page faults).
+    ``unbiased`` says the variances carry Bessel's correction (a BN kernel's running_var). The
+    calls are combined around their own weighted mean (``M2 = sum M2_i + sum n_i d_i^2``, every
+    term non-negative) with matrix products over the k calls: a handful of operators per block
+    of calls instead of several per call.
     """
     total = sum(counts)
-    weights = torch.tensor(counts, dtype=torch.float64, device=means.device)
-    mean = torch.matmul(weights, means).div_(total)
-    m2 = torch.matmul(weights - 1.0 if unbiased else weights, variances)
-    deviation = means.sub_(mean)
-    m2.add_(torch.matmul(weights, deviation.mul_(deviation)))
-    return total, mean, m2
+    n = torch.tensor(counts, dtype=torch.float64, device=means.device)
+    if unbiased:
+        variances.mul_(((n - 1.0) / n).unsqueeze(1))
+    w = n * n
+    weight = sum(c * c for c in counts)
+    u1 = means.sub_(center)
+    shift = torch.matmul(n, u1).div_(total)
+    deviation = u1 - shift
+    m2 = torch.matmul(n, variances).add_(torch.matmul(n, deviation.square_()))
+    rows = (u1, variances, u1.square())
+    u = torch.stack([torch.matmul(w, row) for row in rows]).div_(weight)
+    centred = [row - u[j] for j, row in enumerate(rows)]
+    cov = torch.stack([torch.matmul(w, centred[a] * centred[b]) for a, b in _PAIRS])
+    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov)
+
+
+def _recentre(group: CallGroup, center: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``u`` and ``cov`` of ``group`` around another centre: ``u`` moves affinely in the centre."""
+    d = group.center - center
+    u1, u2, u3 = group.u
+    c11, c12, c13, c22, c23, c33 = group.cov
+    u = torch.stack([u1 + d, u2, u3 + 2 * d * u1 + d * d])
+    cov = torch.stack([c11, c12, c13 + 2 * d * c11, c22, c23 + 2 * d * c12, c33 + 4 * d * c13 + 4 * d * d * c11])
+    return u, cov
 
 
 class PopulationStats:
-    """Running (count, mean, M2) per channel of one BN layer, in float64.
+    """Running (count, mean, M2) per channel of one BN layer in float64, and the between-call
+    moments that give its standard errors (see the module docstring).
 
-    ``count`` is a Python int (elements per channel: batch size times spatial positions, summed
-    over calls), so it stays exact and reading it never synchronises a GPU.
+    ``count``, ``calls`` and ``weight`` are Python ints, exact and free to read on a GPU.
     """
 
     def __init__(self, num_channels: int, name: str = "", device: Optional[torch.device] = None):
@@ -72,9 +128,13 @@ class PopulationStats:
         self.num_channels = int(num_channels)
         self.count = 0
         self.calls = 0
-        self.clamped = 0
-        self.mean = torch.zeros(self.num_channels, dtype=torch.float64, device=device)
-        self.m2 = torch.zeros(self.num_channels, dtype=torch.float64, device=device)
+        self.weight = 0
+        zeros = dict(dtype=torch.float64, device=device)
+        self.mean = torch.zeros(self.num_channels, **zeros)
+        self.m2 = torch.zeros(self.num_channels, **zeros)
+        self.center = torch.zeros(self.num_channels, **zeros)
+        self.u = torch.zeros(3, self.num_channels, **zeros)
+        self.cov = torch.zeros(6, self.num_channels, **zeros)
 
     @property
     def device(self) -> torch.device:
@@ -85,82 +145,57 @@ class PopulationStats:
             self.name, self.num_channels, self.count, self.calls
         )
 
-    def add_batch(
-        self, mean: torch.Tensor, var: torch.Tensor, count: int, unbiased: bool = False
-    ) -> None:
-        """Add one call's per-channel statistics over ``count`` elements per channel.
-
-        ``var`` is the biased batch variance, or with ``unbiased=True`` the Bessel-corrected one
-        that PyTorch stores in ``running_var`` after a train-mode call; it is turned back into
-        the sum of squared deviations exactly: ``M2_b = var * (count - 1)``.
-        """
+    def add_call(self, mean: torch.Tensor, var: torch.Tensor, count: int, unbiased: bool = False) -> None:
+        """Add one call's per-channel mean and variance over ``count`` elements per channel;
+        ``unbiased`` says ``var`` carries Bessel's correction (PyTorch's ``running_var``)."""
         if count <= 0:
             return
-        scale = float(count - 1) if unbiased else float(count)
-        self._merge_moments(count, mean, var, scale, calls=1)
+        means = mean.to(self.device, torch.float64).reshape(1, -1).clone()
+        variances = var.to(self.device, torch.float64).reshape(1, -1).clone()
+        self.add(combine_calls(means, variances, [count], self.center_for(means[0]), unbiased))
 
-    def add_caffe2(self, sm, siv, eps: float, count: int) -> None:
-        """Add one Caffe2 SpatialBN call: saved mean ``sm`` and saved inverse std ``siv``.
+    def center_for(self, first_means: torch.Tensor) -> torch.Tensor:
+        """The centre a new group must use: this layer's, set from ``first_means`` (float64,
+        the group's first call) while the layer has seen nothing."""
+        if self.count == 0:
+            self.center.copy_(first_means)
+        return self.center
 
-        Caffe2 saves ``siv = 1 / sqrt(var + eps)`` in float32, so ``var = 1 / siv^2 - eps`` is
-        recovered in float64. Anything below the resolution of a float32 ``siv`` (two float32
-        ulps of ``var + eps``) cannot be told apart from zero: a dead channel comes back as
-        exactly 0 instead of a tiny signed residue, and a negative value is clamped and
-        counted in ``clamped``.
-        """
-        if count <= 0:
+    def add(self, group: CallGroup) -> None:
+        """Merge a group of calls (another block, device, rank or pass)."""
+        if group.count <= 0:
+            self.calls += group.calls
             return
-        sm = torch.as_tensor(sm).to(self.device, torch.float64).reshape(-1)
-        siv = torch.as_tensor(siv).to(self.device, torch.float64).reshape(-1)
-        var_eps = 1.0 / (siv * siv)
-        var = var_eps - float(eps)
-        resolution = var_eps * (4.0 * _FLOAT32_REL)
-        self.clamped += int((var < 0).sum().item())
-        var = torch.where(var < resolution, torch.zeros_like(var), var)
-        self._merge_moments(count, sm, var, float(count), calls=1)
-
-    def add_moments(self, count: int, mean: torch.Tensor, m2: torch.Tensor, calls: int = 1) -> None:
-        """Add a group of ``calls`` calls with ``count`` elements per channel, already combined
-        into float64 ``mean`` and ``M2`` (see :func:`combine_calls`)."""
-        self._merge_moments(count, mean, m2, 1.0, calls=calls)
+        if self.count == 0:
+            self.mean.copy_(group.mean)
+            self.m2.copy_(group.m2)
+            self.center.copy_(group.center)
+            self.u.copy_(group.u)
+            self.cov.copy_(group.cov)
+        else:
+            n_a, n_b = self.count, group.count
+            delta = group.mean - self.mean
+            self.mean.add_(delta, alpha=n_b / (n_a + n_b))
+            self.m2.add_(group.m2).addcmul_(delta, delta, value=n_a * n_b / (n_a + n_b))
+            u, cov = _recentre(group, self.center)
+            w_a, w_b = float(self.weight), float(group.weight)
+            du = u - self.u
+            self.u.add_(du, alpha=w_b / (w_a + w_b))
+            outer = torch.stack([du[a] * du[b] for a, b in _PAIRS])
+            self.cov.add_(cov).add_(outer, alpha=w_a * w_b / (w_a + w_b))
+        self.count += group.count
+        self.calls += group.calls
+        self.weight += group.weight
 
     def merge(self, other: "PopulationStats") -> None:
-        """Merge another estimator of the same layer (another device, rank or pass)."""
+        """Merge another estimator of the same layer."""
         if other.num_channels != self.num_channels:
-            raise ValueError(
-                "cannot merge {} channels of {!r} into {} channels of {!r}".format(
-                    other.num_channels, other.name, self.num_channels, self.name
-                )
-            )
-        self.clamped += other.clamped
-        if other.count == 0:
-            self.calls += other.calls
-            return
-        self._merge_moments(other.count, other.mean, other.m2, 1.0, calls=other.calls)
+            raise ValueError("cannot merge {} channels of {!r} into {} channels of {!r}".format(
+                other.num_channels, other.name, self.num_channels, self.name))
+        self.add(other.as_group())
 
-    def _merge_moments(
-        self, n_b: int, mean_b: torch.Tensor, m2_like: torch.Tensor, m2_scale: float, calls: int
-    ) -> None:
-        """Chan's merge of a group with ``n_b`` elements, mean ``mean_b``, M2 = m2_like*scale.
-
-        Called once per BN call, so it issues four kernels and no conversion copies: an op
-        mixing float32 inputs with the float64 state computes in float64 (type promotion).
-        """
-        if mean_b.device != self.device:
-            mean_b, m2_like = mean_b.to(self.device), m2_like.to(self.device)
-        if mean_b.dim() != 1:
-            mean_b, m2_like = mean_b.reshape(-1), m2_like.reshape(-1)
-        n_a = self.count
-        n = n_a + n_b
-        if n_a == 0:
-            self.mean.copy_(mean_b)
-            self.m2.copy_(m2_like).mul_(m2_scale)
-        else:
-            delta = torch.sub(mean_b, self.mean)
-            self.mean.add_(delta, alpha=n_b / n)
-            self.m2.add_(m2_like, alpha=m2_scale).addcmul_(delta, delta, value=n_a * n_b / n)
-        self.count = n
-        self.calls += calls
+    def as_group(self) -> CallGroup:
+        return CallGroup(self.count, self.calls, self.weight, self.mean, self.m2, self.center, self.u, self.cov)
 
     def finalize(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return float64 ``(mean, var)``: the biased population variance ``M2 / n`` by default.
@@ -174,8 +209,34 @@ class PopulationStats:
         # non-finite (or overflowing) total pays for the per-channel search.
         if not math.isfinite(float(self.mean.sum() + self.m2.sum())):
             self._raise_if_non_finite()
-        denom = self.count - 1 if unbiased and self.count > 1 else self.count
-        return self.mean.clone(), self.m2 / float(denom)
+        return self.mean.clone(), self.m2 / float(self._denominator(unbiased))
+
+    def _denominator(self, unbiased: bool) -> int:
+        return self.count - 1 if unbiased and self.count > 1 else self.count
+
+    def stderr(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel standard errors of :meth:`finalize`'s mean and variance (float64).
+
+        NaN with fewer than two calls: one call says nothing about the spread between calls.
+        """
+        if self.calls < 2 or self.count == 0:
+            nan = torch.full_like(self.mean, float("nan"))
+            return nan, nan.clone()
+        k, n, w = self.calls, float(self.count), float(self.weight)
+        shift = self.mean - self.center
+        var = self.m2 / n
+        # n-weighted mean of u . a, from mu, s2 and c; then sum n_i^2 (a . (u_i - ubar))^2.
+        a = (-2.0 * shift, torch.ones_like(shift), torch.ones_like(shift))
+        a_ubar_n = var - shift * shift
+        a_u = a[0] * self.u[0] + self.u[1] + self.u[2]
+        a_cov_a = sum(
+            (1.0 if i == j else 2.0) * a[i] * a[j] * self.cov[p] for p, (i, j) in enumerate(_PAIRS)
+        )
+        spread_var = a_cov_a + w * (a_u - a_ubar_n).square()
+        spread_mean = self.cov[0] + w * (self.u[0] - shift).square()
+        factor = k / (k - 1.0) / (n * n)
+        scale = n / self._denominator(unbiased)
+        return (spread_mean * factor).clamp_(min=0).sqrt_(), (spread_var * factor).clamp_(min=0).sqrt_() * scale
 
     def _raise_if_non_finite(self) -> None:
         bad = ~(torch.isfinite(self.mean) & torch.isfinite(self.m2))
@@ -189,19 +250,27 @@ class PopulationStats:
             )
 
     def state(self) -> torch.Tensor:
-        """Pack ``[count, mean..., M2...]`` in one float64 vector (for collectives)."""
-        head = torch.tensor([float(self.count)], dtype=torch.float64, device=self.device)
-        return torch.cat([head, self.mean, self.m2])
+        """Pack ``[count, calls, weight, mean, M2, centre, u, cov]`` in one float64 vector
+        (for collectives). Counts above 2**53 would lose bits; no pass comes near."""
+        head = torch.tensor([float(self.count), float(self.calls), float(self.weight)], dtype=torch.float64,
+                            device=self.device)
+        return torch.cat([head, self.mean, self.m2, self.center, self.u.reshape(-1), self.cov.reshape(-1)])
+
+    @staticmethod
+    def state_size(num_channels: int) -> int:
+        return 3 + 12 * num_channels
 
     @classmethod
-    def from_state(
-        cls, packed: torch.Tensor, name: str = "", calls: int = 0
-    ) -> "PopulationStats":
+    def from_state(cls, packed: torch.Tensor, name: str = "") -> "PopulationStats":
         """Inverse of :meth:`state`."""
-        channels = (packed.numel() - 1) // 2
+        channels = (packed.numel() - 3) // 12
         stats = cls(channels, name=name, device=packed.device)
-        stats.count = int(packed[0].item())
-        stats.mean.copy_(packed[1 : 1 + channels])
-        stats.m2.copy_(packed[1 + channels :])
-        stats.calls = calls
+        head = packed[:3].tolist()
+        stats.count, stats.calls, stats.weight = (int(v) for v in head)
+        body = packed[3:].split([channels, channels, channels, 3 * channels, 6 * channels])
+        stats.mean.copy_(body[0])
+        stats.m2.copy_(body[1])
+        stats.center.copy_(body[2])
+        stats.u.copy_(body[3].reshape(3, channels))
+        stats.cov.copy_(body[4].reshape(6, channels))
         return stats

@@ -5,22 +5,21 @@
     helper.compute_and_update_bn_stats(curr_iter) # before each test and each checkpoint
 
 Stats are recomputed only when ``curr_iter`` changed since the last call; a second call at the
-same iteration re-applies the cached stats without running a forward, so evaluation and the
-checkpoint written at the same iteration hold identical numbers.
+same iteration re-applies the cached stats without running a forward (see
+:mod:`precise_bn.step_cache`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
 
-from .data import CyclingBatches, ForwardFn
 from .errors import ConfigError
+from .options import Options
 from .report import BNReport
-from .torch_backend import select_layers, update_bn_stats
+from .step_cache import StepCache, TorchJob
 
-# The original tool's config keys and the keyword arguments they map to.
+# The original tool's config keys and the settings they map to.
 CONFIG_KEYS = {
     "iters": "TRAIN.ITER_COMPUTE_PRECISE_BN",
     "bn_epsilon": "MODEL.BN_EPSILON",
@@ -36,8 +35,9 @@ DEFAULTS: Dict[str, Any] = {
     "log_period": 10,
     "device_prefix": "gpu",
 }
-
-Cache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+BACKENDS = ("torch", "caffe2")
+# Options of recompute() that have no meaning for a Caffe2 net.
+TORCH_ONLY = ("forward_fn", "device", "layers", "autocast")
 
 
 def config_value(cfg: Any, dotted: str, default: Any = None) -> Any:
@@ -55,49 +55,22 @@ def config_value(cfg: Any, dotted: str, default: Any = None) -> Any:
     return node
 
 
-class TorchAuxModel:
-    """The PyTorch aux "model": the same module (no weight copy) and an endless batch source."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        data: Iterable[Any],
-        forward_fn: Optional[ForwardFn] = None,
-        log_period: int = 10,
-        **options: Any,
-    ):
-        self.model = model
-        self.batches = CyclingBatches(data)
-        self.forward_fn = forward_fn
-        self.log_period = log_period
-        self.options = options
-
-    def compute(self, iters: int) -> Tuple[Cache, BNReport]:
-        report = update_bn_stats(
-            self.model,
-            self.batches,
-            num_iters=iters,
-            forward_fn=self.forward_fn,
-            log_period=self.log_period,
-            **self.options,
-        )
-        modules = dict(self.model.named_modules())
-        cache = {
-            layer.name: (
-                modules[layer.name].running_mean.detach().clone(),
-                modules[layer.name].running_var.detach().clone(),
-            )
-            for layer in report.layers
-            if layer.ran and layer.name in modules
-        }
-        return cache, report
-
-    def apply(self, cache: Cache) -> None:
-        modules = dict(self.model.named_modules())
-        with torch.no_grad():
-            for name, (mean, var) in cache.items():
-                modules[name].running_mean.copy_(mean)
-                modules[name].running_var.copy_(var)
+def _settings(cfg: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    settings = dict(DEFAULTS)
+    if cfg is not None:
+        for key, dotted in CONFIG_KEYS.items():
+            value = config_value(cfg, dotted)
+            if value is not None:
+                settings[key] = value
+    for key in list(kwargs):
+        if key in DEFAULTS:
+            settings[key] = kwargs.pop(key)
+    for key in ("iters", "num_gpus", "log_period"):
+        value = settings[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError("{} ({}) must be a positive integer, got {!r}".format(
+                key, CONFIG_KEYS.get(key, key), value))
+    return settings
 
 
 class BatchNormHelper:
@@ -105,76 +78,66 @@ class BatchNormHelper:
 
     Settings come from ``cfg`` (the original keys, see :data:`CONFIG_KEYS`) and are overridden
     by keyword arguments: ``iters``, ``bn_epsilon``, ``num_gpus``, ``root_gpu_id``,
-    ``log_period``, ``device_prefix``. On the torch backend ``bn_epsilon``, ``num_gpus`` and
-    ``root_gpu_id`` are carried by the modules themselves and only kept for the Caffe2 backend.
-    Other keyword arguments go to :func:`update_bn_stats` (``exact``, ``device``, ``sync``...).
+    ``log_period``, ``device_prefix``. Every other keyword argument is an option of
+    :func:`precise_bn.recompute` (``exact``, ``rtol``, ``sync``, ``device``...), checked now.
+    ``backend=None`` picks the backend from the model given to :meth:`create_bn_aux_model`.
+    On the torch backend ``bn_epsilon``, ``num_gpus`` and ``root_gpu_id`` are carried by the
+    modules themselves and only matter to the Caffe2 backend.
     """
 
-    def __init__(self, cfg: Any = None, *, backend: str = "torch", **kwargs: Any):
-        if backend not in ("torch", "caffe2"):
-            raise ConfigError("backend must be 'torch' or 'caffe2', got {!r}".format(backend))
+    def __init__(self, cfg: Any = None, *, backend: Optional[str] = None, **kwargs: Any):
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError("backend must be 'torch', 'caffe2' or None, got {!r}".format(backend))
         self.backend = backend
-        settings = dict(DEFAULTS)
-        if cfg is not None:
-            for key, dotted in CONFIG_KEYS.items():
-                value = config_value(cfg, dotted)
-                if value is not None:
-                    settings[key] = value
-        for key in list(kwargs):
-            if key in DEFAULTS:
-                settings[key] = kwargs.pop(key)
-        if not isinstance(settings["iters"], int) or settings["iters"] <= 0:
-            raise ConfigError(
-                "iters (TRAIN.ITER_COMPUTE_PRECISE_BN) must be a positive integer, got {!r}".format(
-                    settings["iters"]
-                )
-            )
-        self.settings = settings
-        self.options = kwargs
+        self.settings = _settings(cfg, kwargs)
+        self.options = Options.build("BatchNormHelper", num_batches=self.settings["iters"],
+                                     log_period=self.settings["log_period"], **kwargs)
+        self._given = set(kwargs)
         self.aux: Any = None
-        self._cache: Optional[Cache] = None
-        self._cached_iter: Any = None
-        self.last_report: Optional[BNReport] = None
-        self.runs = 0
+        self.cache: StepCache[Any] = StepCache()
 
     @property
     def iters(self) -> int:
         return int(self.settings["iters"])
 
+    @property
+    def last_report(self) -> Optional[BNReport]:
+        return self.cache.report
+
+    @property
+    def runs(self) -> int:
+        return self.cache.runs
+
     def create_bn_aux_model(self, model: Any, data: Any = None, **kwargs: Any) -> Any:
         """Prepare the forward-only aux pass over ``model`` and return the aux object.
 
         torch: ``model`` is the ``nn.Module`` (its BN layers are checked now), ``data`` an
-        iterable of batches (re-iterated when it runs out), ``forward_fn`` optional.
-        caffe2: see :mod:`precise_bn.caffe2_backend`.
+        iterable of batches (re-iterated when it runs out); ``kwargs`` are more options of
+        :func:`precise_bn.recompute`. caffe2: see :class:`precise_bn.caffe2.backend.Caffe2AuxModel`.
         """
-        if self.backend == "torch":
+        backend = self.backend or ("torch" if isinstance(model, nn.Module) else "caffe2")
+        options = self.options.replace(**kwargs) if kwargs else self.options
+        if backend == "torch":
+            if not isinstance(model, nn.Module):
+                raise ConfigError("the torch backend needs an nn.Module, got {}".format(type(model).__name__))
             if data is None:
                 raise ConfigError("the torch backend needs data: an iterable of batches")
-            select_layers(model, self.options.get("layers"))
-            options = dict(self.options)
-            options.update(kwargs)
-            self.aux = TorchAuxModel(model, data, log_period=self.settings["log_period"], **options)
+            self.aux = TorchJob(model, data, options)
+            self.aux.layer_names()
         else:
-            from .caffe2_backend import Caffe2AuxModel
+            from .caffe2.backend import Caffe2AuxModel
 
-            self.aux = Caffe2AuxModel(model, data, settings=self.settings, **dict(self.options, **kwargs))
-        self._cache = None
-        self._cached_iter = None
+            used = [name for name in TORCH_ONLY if name in self._given or name in kwargs]
+            if used:
+                raise ConfigError("option(s) {} apply to PyTorch models only, not to a Caffe2 net".format(
+                    ", ".join(used)))
+            self.aux = Caffe2AuxModel(model, data, settings=self.settings, opts=options)
+        self.cache = StepCache()
         return self.aux
 
     def compute_and_update_bn_stats(self, curr_iter: Any = None) -> BNReport:
-        """Recompute and write the stats, or re-apply the cached ones if ``curr_iter`` is unchanged.
-
-        ``curr_iter=None`` always recomputes.
-        """
+        """Recompute and write the stats, or re-apply the cached ones if ``curr_iter`` is
+        unchanged; ``curr_iter=None`` always recomputes."""
         if self.aux is None:
             raise ConfigError("call create_bn_aux_model(...) before compute_and_update_bn_stats()")
-        if curr_iter is not None and self._cache is not None and curr_iter == self._cached_iter:
-            self.aux.apply(self._cache)
-            assert self.last_report is not None
-            return self.last_report
-        self._cache, self.last_report = self.aux.compute(self.iters)
-        self._cached_iter = curr_iter
-        self.runs += 1
-        return self.last_report
+        return self.cache.at(curr_iter, self.aux.run, self.aux.apply)

@@ -1,6 +1,6 @@
 """Precise BN inside a training loop: recompute before evaluation and before each checkpoint.
 
-    hook = PreciseBNHook(model, train_loader, num_iters=200, extra_models=[ema_model])
+    hook = PreciseBNHook(model, train_loader, num_batches=200, extra_models=[ema_model])
     for step in range(1, max_steps + 1):
         train_one_step()
         if step % eval_every == 0:
@@ -10,24 +10,20 @@
             hook.before_checkpoint(step)
             save(model)
 
-Why a per-step cache: the running stats a model is evaluated with must be the ones its
-checkpoint carries, or the saved model scores differently from the validated one. The first
-call at a step recomputes; any later call at the same step (evaluation, then checkpoint)
-writes the very same tensors back without running a forward, even if something touched the
-buffers in between.
+An evaluation and a checkpoint at the same step get the very same statistics: the second call
+writes back what the first computed (see :mod:`precise_bn.step_cache`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, Optional, Sequence
 
 from torch import nn
 
-from .data import ForwardFn, check_budget, default_forward
 from .errors import ConfigError
-from .helper import Cache, TorchAuxModel
+from .options import Options
 from .report import BNReport
-from .torch_backend import LayerSpec, select_layers, unwrap_model
+from .step_cache import StepCache, TorchCache, TorchJob
 
 logger = logging.getLogger("precise_bn")
 
@@ -46,21 +42,14 @@ class PreciseBNHook:
             keeps one iterator across calls, so successive recomputations see fresh batches,
             and starts a new pass when one runs out, so a call never gets fewer batches than
             asked. (A kept DataLoader iterator keeps its worker processes between calls.)
-        num_iters: batches per recomputation (None: limited by ``num_samples`` only).
-        num_samples: stop each recomputation once this many samples were seen.
+        num_batches: batches per recomputation (None: limited by ``num_samples`` or ``rtol``).
         eval_period / checkpoint_period: :meth:`before_eval` / :meth:`before_checkpoint` act
             only when ``step % period == 0``, so a loop may call them every step.
         extra_models: more models recomputed on the same batches, e.g. an EMA or SWA copy of
-            the weights. Each batch runs through the model and then through every extra model
-            in the same pass, so no batch is stored: memory stays at one batch.
-        forward_fn: ``forward_fn(model, batch)`` for each model (see
-            :func:`precise_bn.data.default_forward` for the default convention).
-        layers: which layers of ``model`` (see :func:`precise_bn.select_layers`). Extra models
-            use their BN layers in training mode, or all of them when the copy is in eval mode
-            (as EMA copies usually are). The choice is made at the first recomputation.
-        log_period: log the time per iteration every this many batches.
-        **options: passed to :func:`precise_bn.update_bn_stats` (``device``, ``autocast``,
-            ``exact``, ``sync``, ``group``, ``unbiased``, ``progress``). With an initialised
+            the weights (see :class:`~precise_bn.step_cache.TorchJob`).
+        **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
+            ``forward_fn``, ``layers``, ``device``, ``exact``...), checked now: a misspelt one
+            raises ``TypeError`` here, not at the first recomputation. With an initialised
             process group the stats are merged across ranks: every rank must call the hook at
             the same steps.
 
@@ -71,46 +60,43 @@ class PreciseBNHook:
         self,
         model: nn.Module,
         data: Iterable[Any],
-        num_iters: Optional[int] = 200,
+        num_batches: Optional[int] = 200,
         *,
-        num_samples: Optional[int] = None,
         eval_period: int = 1,
         checkpoint_period: int = 1,
         extra_models: Sequence[nn.Module] = (),
-        forward_fn: Optional[ForwardFn] = None,
-        layers: LayerSpec = None,
-        log_period: int = 20,
         **options: Any,
     ):
-        check_budget(num_iters, num_samples)
+        opts = Options.build("PreciseBNHook", num_batches=num_batches, **options)
         _check_period("eval_period", eval_period)
         _check_period("checkpoint_period", checkpoint_period)
-        if num_iters is None and num_samples is None:
-            raise ConfigError("num_iters and num_samples are both None: the hook would never stop")
+        if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
+            raise ConfigError("num_batches, num_samples and rtol are all None: the hook would read its endless "
+                              "batch source forever")
         self.model = model
-        self.data = data
-        self.num_iters = num_iters
         self.eval_period = eval_period
         self.checkpoint_period = checkpoint_period
-        self.extra_models = list(extra_models)
-        self.forward_fn = forward_fn or default_forward
-        self.layers = layers
-        self.options = dict(options, num_samples=num_samples, log_period=log_period)
+        self.job = TorchJob(model, data, opts, extra_models)
+        self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
-        self.recomputations = 0
-        self.last_report: Optional[BNReport] = None
-        self.cached_step: Optional[int] = None
-        self._cache: Optional[Cache] = None
-        self._aux: Optional[TorchAuxModel] = None
 
     @property
-    def cached_stats(self) -> Optional[Cache]:
+    def last_report(self) -> Optional[BNReport]:
+        """The report of the recomputation the current stats come from."""
+        return self.cache.report
+
+    @property
+    def recomputations(self) -> int:
+        return self.cache.runs
+
+    @property
+    def cached_stats(self) -> Optional[TorchCache]:
         """``{layer name: (running_mean, running_var)}`` of the last recomputation, or None.
 
         Names are those of ``model``; with extra models they carry the prefix ``"model."`` or
         ``"extra_<i>."``.
         """
-        return self._cache
+        return self.cache.value
 
     def before_eval(self, step: int) -> Optional[BNReport]:
         """Make ``model``'s BN stats precise for an evaluation at ``step``.
@@ -131,44 +117,9 @@ class PreciseBNHook:
     def _at(self, step: int, period: int) -> Optional[BNReport]:
         if not self.enabled or step % period != 0:
             return None
-        if self._cache is not None and step == self.cached_step:
-            assert self._aux is not None
-            self._aux.apply(self._cache)
-            return self.last_report
-        aux = self._aux or self._prepare()
-        if aux is None:
-            return None
-        self._cache, self.last_report = aux.compute(self.num_iters)
-        self.cached_step = step
-        self.recomputations += 1
-        return self.last_report
-
-    def _prepare(self) -> Optional[TorchAuxModel]:
-        """Choose the layers and build the aux pass; turn the hook off if there is no layer."""
-        members: List[Tuple[str, nn.Module, LayerSpec]] = [("", unwrap_model(self.model), self.layers)]
-        if self.extra_models:
-            members = [("model.", members[0][1], self.layers)] + [
-                ("extra_{}.".format(i), unwrap_model(m), None) for i, m in enumerate(self.extra_models)
-            ]
-        names = [prefix + name for prefix, module, spec in members for name, _ in select_layers(module, spec)]
-        if not names:
-            logger.warning(
-                "precise-bn: %s has no BatchNorm layer to recompute (none tracks running stats in "
-                "training mode); the hook is off",
-                type(self.model).__name__,
-            )
+        if self.cache.value is None and not self.job.layer_names():
+            logger.warning("precise-bn: %s has no BatchNorm layer to recompute; the hook is off",
+                           type(self.model).__name__)
             self.enabled = False
             return None
-        modules = [module for _, module, _ in members]
-        net: nn.Module = modules[0]
-        if self.extra_models:
-            net = nn.ModuleDict({prefix[:-1]: module for prefix, module, _ in members})
-        forward = self.forward_fn
-
-        def forward_all(_net: nn.Module, batch: Any) -> None:
-            for module in modules:
-                forward(module, batch)
-
-        self._aux = TorchAuxModel(net, self.data, forward_fn=forward_all, layers=names, **self.options)
-        return self._aux
-
+        return self.cache.at(step, self.job.run, self.job.apply)

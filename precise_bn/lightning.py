@@ -1,7 +1,7 @@
 """``PreciseBNCallback``: precise BN stats for Lightning's validation and checkpoints.
 
     from precise_bn.lightning import PreciseBNCallback
-    trainer = Trainer(callbacks=[PreciseBNCallback(num_iters=200), ModelCheckpoint(...)])
+    trainer = Trainer(callbacks=[PreciseBNCallback(num_batches=200), ModelCheckpoint(...)])
 
 The callback recomputes at the start of each validation and before each checkpoint, keyed by
 ``trainer.global_step`` (see :class:`precise_bn.PreciseBNHook`): a checkpoint written at the
@@ -27,10 +27,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
 from torch import nn
 
-from .data import ForwardFn, check_budget, default_forward
+from .data import smart_forward
 from .errors import BackendUnavailableError, ConfigError, PreciseBNWarning
 from .hooks import PreciseBNHook
-from .torch_backend import select_layers
+from .options import Options
+from .pytorch.layers import select_layers
 
 try:
     import lightning.pytorch as pl
@@ -67,21 +68,19 @@ class PreciseBNCallback(pl.Callback):
     """Recompute precise BN stats at the start of validation and before each checkpoint.
 
     Args:
-        num_iters: batches per recomputation (None: limited by ``num_samples`` only).
+        num_batches: batches per recomputation (None: limited by ``num_samples`` or ``rtol``).
         data: batches to recompute on; default: the trainer's training dataloader (under DDP
             each rank reads its own shard and the stats are merged across ranks). A kept
             iterator continues across recomputations and starts a new pass when one ends.
         attribute: the submodule of the LightningModule to recompute, e.g. ``"model"`` or
             ``"backbone.encoder"``; default: the LightningModule itself.
-        num_samples: stop each recomputation once this many samples were seen.
-        forward_fn: ``forward_fn(target, batch)``; default: ``target(batch[0])`` for
-            ``(input, target)`` batches (see :func:`precise_bn.data.default_forward`). It runs
-            in the trainer's precision context (autocast for mixed precision).
-        **options: passed to :class:`precise_bn.PreciseBNHook` and
-            :func:`precise_bn.update_bn_stats` (``layers``, ``exact``, ``device``...). The
-            device defaults to the LightningModule's, and the layers to those in training
-            mode during the first training batch (validation runs in eval mode, so the train
-            flags at recomputation time would not tell frozen BN layers apart).
+        **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
+            ``forward_fn``, ``layers``, ``exact``...), checked now. ``forward_fn(target, batch)``
+            runs in the trainer's precision context (autocast for mixed precision); by default
+            ``(input, target)`` batches give ``target(batch[0])``. The device defaults to the
+            LightningModule's, and the layers to those in training mode during the first
+            training batch (validation runs in eval mode, so the train flags at recomputation
+            time would not tell frozen BN layers apart).
 
     Validation during the sanity check runs before any training and is left alone. Under DDP
     every rank takes part in each recomputation; only rank 0 writes the checkpoint file, as
@@ -91,22 +90,16 @@ class PreciseBNCallback(pl.Callback):
 
     def __init__(
         self,
-        num_iters: Optional[int] = 200,
+        num_batches: Optional[int] = 200,
         data: Optional[Iterable[Any]] = None,
         *,
         attribute: Optional[str] = None,
-        num_samples: Optional[int] = None,
-        forward_fn: Optional[ForwardFn] = None,
         **options: Any,
     ):
         super().__init__()
-        check_budget(num_iters, num_samples)
-        self.num_iters = num_iters
-        self.num_samples = num_samples
+        self.options = Options.build("PreciseBNCallback", num_batches=num_batches, **options)
         self.data = data
         self.attribute = attribute
-        self.forward_fn = forward_fn or default_forward
-        self.options = options
         self.hook: Optional[PreciseBNHook] = None
         self._train_layers: Optional[List[str]] = None
         self._warned_no_data = False
@@ -195,22 +188,18 @@ class PreciseBNCallback(pl.Callback):
                     stacklevel=3,
                 )
             data = _TrainingData(trainer)
-        forward = self.forward_fn
+        forward = self.options.forward_fn or smart_forward
         precision = trainer.precision_plugin
 
         def forward_in_precision(module: nn.Module, batch: Any) -> Any:
             with precision.forward_context():
                 return forward(module, batch)
 
-        options = dict(self.options)
-        options.setdefault("device", pl_module.device)
-        options.setdefault("layers", self._train_layers)
-        self.hook = PreciseBNHook(
-            self.target(pl_module),
-            data,
-            self.num_iters,
-            num_samples=self.num_samples,
-            forward_fn=forward_in_precision,
-            **options,
-        )
+        changes: Dict[str, Any] = {"forward_fn": forward_in_precision}
+        if self.options.device is None:
+            changes["device"] = pl_module.device
+        if self.options.layers is None:
+            changes["layers"] = self._train_layers
+        options = self.options.replace(**changes)
+        self.hook = PreciseBNHook(self.target(pl_module), data, **options.as_kwargs())
         return self.hook

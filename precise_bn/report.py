@@ -1,4 +1,4 @@
-"""What a recalibration did: per layer, what it saw and how far the stats moved."""
+"""What a recalibration did: per layer, what it saw, how far the stats moved, how sure they are."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,10 +6,50 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+#: What the report's numbers mean; printed in the JSON report and the README.
+DEFINITIONS = {
+    "mean_drift": "largest |new mean - old mean| / sqrt(new var + eps) over the layer's channels: "
+                  "how far the running mean moved, in units of the new std",
+    "var_drift": "largest |new var - old var| / (new var + eps) over the layer's channels: the "
+                 "relative change of the running variance",
+    "mean_rel_stderr": "largest mean_stderr / sqrt(new var) over channels with a variance: the "
+                       "sampling error of the written mean, in units of the std",
+    "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
+                      "sampling error of the written variance",
+}
+
+#: Why a pass ended.
+STOP_REASONS = {
+    "budget": "the batch or sample budget was used up",
+    "rtol": "every channel reached the requested relative standard error",
+    "data": "the data ran out before the budget",
+}
+
+
+def _max(values: torch.Tensor) -> float:
+    return float(values.max()) if values.numel() else 0.0
+
+
+def _relative(stderr: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> Optional[float]:
+    """Largest ``stderr / scale`` over channels whose scale is positive (dead channels are exact)."""
+    if stderr is None or scale is None:
+        return None
+    live = scale > 0
+    if not bool(live.any()):
+        return 0.0
+    ratio = stderr[live] / scale[live]
+    return float("nan") if bool(torch.isnan(ratio).any()) else float(ratio.max())
+
 
 @dataclass
 class LayerReport:
-    """One BN layer's outcome. Stats are float64 CPU tensors; ``new_*`` is None if it never ran."""
+    """One BN layer's outcome. Stats are float64 CPU tensors; ``new_*`` is None if it never ran.
+
+    ``mean_stderr`` and ``var_stderr`` are per-channel standard errors of ``new_mean`` and
+    ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
+    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``untrusted``
+    lists channels whose float32 kernel statistics could not be trusted (Caffe2 path).
+    """
 
     name: str
     elements: int
@@ -18,8 +58,10 @@ class LayerReport:
     old_var: torch.Tensor
     new_mean: Optional[torch.Tensor]
     new_var: Optional[torch.Tensor]
+    mean_stderr: Optional[torch.Tensor] = None
+    var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
-    clamped: int = 0
+    untrusted: List[int] = field(default_factory=list)
 
     @property
     def ran(self) -> bool:
@@ -27,19 +69,28 @@ class LayerReport:
 
     @property
     def mean_drift(self) -> float:
-        """Largest shift of a channel's mean, in units of its new std: ``|dm| / sqrt(v + eps)``."""
+        """See :data:`DEFINITIONS`."""
         if not self.ran:
             return 0.0
         std = (self.new_var + self.eps).sqrt()
-        return float(((self.new_mean - self.old_mean).abs() / std).max()) if std.numel() else 0.0
+        return _max((self.new_mean - self.old_mean).abs() / std)
 
     @property
     def var_drift(self) -> float:
-        """Largest relative change of a channel's variance: ``|dv| / (v + eps)``."""
+        """See :data:`DEFINITIONS`."""
         if not self.ran:
             return 0.0
-        rel = (self.new_var - self.old_var).abs() / (self.new_var + self.eps)
-        return float(rel.max()) if rel.numel() else 0.0
+        return _max((self.new_var - self.old_var).abs() / (self.new_var + self.eps))
+
+    @property
+    def mean_rel_stderr(self) -> Optional[float]:
+        """See :data:`DEFINITIONS`; None when the layer never ran."""
+        return _relative(self.mean_stderr, None if self.new_var is None else self.new_var.sqrt())
+
+    @property
+    def var_rel_stderr(self) -> Optional[float]:
+        """See :data:`DEFINITIONS`; None when the layer never ran."""
+        return _relative(self.var_stderr, self.new_var)
 
     def to_dict(self, with_stats: bool = False) -> Dict[str, Any]:
         out: Dict[str, Any] = {
@@ -49,18 +100,28 @@ class LayerReport:
             "calls": self.calls,
             "mean_drift": self.mean_drift,
             "var_drift": self.var_drift,
-            "clamped": self.clamped,
+            "mean_rel_stderr": self.mean_rel_stderr,
+            "var_rel_stderr": self.var_rel_stderr,
+            "untrusted": list(self.untrusted),
         }
-        if with_stats:
-            for key in ("old_mean", "old_var", "new_mean", "new_var"):
-                value = getattr(self, key)
-                out[key] = None if value is None else value.tolist()
+        keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
+        for key in keys if with_stats else keys[-2:]:
+            value = getattr(self, key)
+            out[key] = None if value is None else value.tolist()
         return out
+
+
+def _cell(value: Optional[float]) -> str:
+    return "-" if value is None else "{:.3g}".format(value)
 
 
 @dataclass
 class BNReport:
-    """The result of one recalibration; ``str(report)`` is a readable table."""
+    """The result of one recalibration; ``str(report)`` is a readable table.
+
+    ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
+    count what was read, summed over ranks.
+    """
 
     layers: List[LayerReport] = field(default_factory=list)
     batches: int = 0
@@ -68,6 +129,8 @@ class BNReport:
     world_size: int = 1
     estimator: str = "kernel"
     seconds: float = 0.0
+    stop: str = "budget"
+    rtol: Optional[float] = None
 
     @property
     def unused(self) -> List[str]:
@@ -83,6 +146,12 @@ class BNReport:
     def __len__(self) -> int:
         return len(self.layers)
 
+    def worst(self, key: str) -> Optional[float]:
+        """The largest value of a per-layer number (``"mean_rel_stderr"``, ...) over layers that ran."""
+        values = [getattr(layer, key) for layer in self.layers if layer.ran]
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
     def to_dict(self, with_stats: bool = False) -> Dict[str, Any]:
         return {
             "batches": self.batches,
@@ -90,22 +159,33 @@ class BNReport:
             "world_size": self.world_size,
             "estimator": self.estimator,
             "seconds": self.seconds,
+            "stop": self.stop,
+            "rtol": self.rtol,
             "unused": self.unused,
+            "definitions": dict(DEFINITIONS),
             "layers": [layer.to_dict(with_stats) for layer in self.layers],
         }
 
+    def summary(self) -> str:
+        """The first line of the table: what was read, why it stopped, the worst standard errors."""
+        count = len(self.layers)
+        return ("precise-bn: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}, {} estimator, "
+                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}").format(
+            count, "" if count == 1 else "s", self.batches, "" if self.batches == 1 else "es", self.samples,
+            self.world_size, self.estimator, self.seconds,
+            "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
+            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")))
+
     def __str__(self) -> str:
-        head = "precise-bn: {} layers, {} batches, {} samples, world size {}, {} estimator, {:.2f} s".format(
-            len(self.layers), self.batches, self.samples, self.world_size, self.estimator, self.seconds
-        )
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])
-        rows = [head, "{:<{w}}  {:>6}  {:>12}  {:>11}  {:>10}".format(
-            "layer", "calls", "elements", "mean drift", "var drift", w=width)]
+        line = "{:<{w}}  {:>6}  {:>12}  {:>10}  {:>10}  {:>12}  {:>12}"
+        rows = [self.summary(), line.format("layer", "calls", "elements", "mean drift", "var drift",
+                                            "mean se/std", "var se/var", w=width)]
         for layer in self.layers:
             if layer.ran:
-                rows.append("{:<{w}}  {:>6}  {:>12}  {:>11.4g}  {:>10.4g}".format(
-                    layer.name, layer.calls, layer.elements, layer.mean_drift, layer.var_drift, w=width))
+                rows.append(line.format(layer.name, layer.calls, layer.elements, "{:.4g}".format(layer.mean_drift),
+                                        "{:.4g}".format(layer.var_drift), _cell(layer.mean_rel_stderr),
+                                        _cell(layer.var_rel_stderr), w=width))
             else:
-                rows.append("{:<{w}}  {:>6}  {:>12}  {:>23}".format(
-                    layer.name, 0, 0, "never ran: stats kept", w=width))
+                rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
         return "\n".join(rows)

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 scripts/distributed_example.py --save bn.pt
 
 Each rank recalibrates a DistributedDataParallel model on its own share of the data, and the
-shares are deliberately uneven (different numbers of batches and batch sizes). update_bn_stats
+shares are deliberately uneven (different numbers of batches and batch sizes). recompute
 runs the pass on the wrapped module, so no forward issues a collective, and merges the ranks'
 statistics once at the end, weighted by their true element counts: every rank ends with the
 bits one process would get from all the data. Rank 0 alone writes the checkpoint.
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from precise_bn import update_bn_stats
+from precise_bn import recompute
 from precise_bn.distributed import barrier, get_rank, get_world_size, is_main_process
 
 SAMPLES = 45
@@ -79,7 +79,7 @@ def main() -> None:
     model = make_model().to(device)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     loader = shard_loader(make_dataset(), rank, world)
-    report = update_bn_stats(ddp, loader, num_iters=None, device=device)  # the whole share
+    report = recompute(ddp, loader, device=device)  # the whole share
 
     # The point of the merge: all ranks hold the same bits, so any rank's checkpoint is right.
     state = bn_state(model)

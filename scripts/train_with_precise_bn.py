@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from precise_bn.atomic import atomic_write
-from precise_bn.demo import evaluate, load_digits_splits, make_model
+from precise_bn.cli.demo import evaluate, load_digits_splits, make_model
 from precise_bn.hooks import PreciseBNHook
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     model = make_model()
     ema = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    hook = PreciseBNHook(model, train_loader, num_iters=args.bn_batches, extra_models=[ema])
+    hook = PreciseBNHook(model, train_loader, num_batches=args.bn_batches, extra_models=[ema])
     os.makedirs(args.out, exist_ok=True)
 
     step = 0

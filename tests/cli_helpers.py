@@ -9,7 +9,7 @@ from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from precise_bn.checkpoint import SAFE_LOAD_AVAILABLE
+from precise_bn.checkpoint.formats import SAFE_LOAD_AVAILABLE
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -16,8 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from precise_bn import BatchNormHelper, PreciseBNHook, update_bn_stats
-from precise_bn.distributed import all_reduce_mean
+from precise_bn import BatchNormHelper, PreciseBNHook, recompute
 
 Result = Dict[str, Any]
 
@@ -100,13 +99,13 @@ def raised(model: nn.Module, run: Callable[[], Any]) -> Result:
 
 def _plain(rank: int, world: int, **options: Any) -> Result:
     model = make_model()
-    return outcome(model, update_bn_stats(model, rank_batches(UNEVEN, rank), **options))
+    return outcome(model, recompute(model, rank_batches(UNEVEN, rank), **options))
 
 
 def _ddp(rank: int, world: int, broadcast_buffers: bool) -> Result:
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers)
-    out = outcome(model, update_bn_stats(ddp, rank_batches(UNEVEN, rank)))
+    out = outcome(model, recompute(ddp, rank_batches(UNEVEN, rank)))
     # The wrapper still trains: a forward issues its buffer broadcast and backward all-reduces
     # the gradients of different per-rank batches into the same average on every rank.
     ddp.train()
@@ -117,12 +116,12 @@ def _ddp(rank: int, world: int, broadcast_buffers: bool) -> Result:
 
 def _empty_rank(rank: int, world: int) -> Result:
     model = make_model()
-    return outcome(model, update_bn_stats(model, rank_batches(RANK1_EMPTY, rank)))
+    return outcome(model, recompute(model, rank_batches(RANK1_EMPTY, rank)))
 
 
 def _all_empty(rank: int, world: int) -> Result:
     model = make_model()
-    return raised(model, lambda: update_bn_stats(model, []))
+    return raised(model, lambda: recompute(model, []))
 
 
 def _helper(rank: int, world: int) -> Result:
@@ -134,13 +133,13 @@ def _helper(rank: int, world: int) -> Result:
 
 def _hook(rank: int, world: int) -> Result:
     model = make_model()
-    hook = PreciseBNHook(model, rank_batches(UNEVEN, rank), num_iters=HELPER_ITERS)
+    hook = PreciseBNHook(model, rank_batches(UNEVEN, rank), num_batches=HELPER_ITERS)
     return outcome(model, hook.before_eval(1))
 
 
 def _syncbn(rank: int, world: int) -> Result:
     model = make_model(sync_bn=True)
-    out = outcome(model, update_bn_stats(model, rank_batches(UNEVEN, rank)))
+    out = outcome(model, recompute(model, rank_batches(UNEVEN, rank)))
     out["forward_restored"] = all(
         "forward" not in vars(m) for m in model.modules() if isinstance(m, nn.SyncBatchNorm)
     )
@@ -152,19 +151,13 @@ def _subgroup(rank: int, world: int) -> Result:
     group = dist.new_group([0, 1])  # a collective: every rank creates it
     model = make_model()
     options: Dict[str, Any] = {"group": group} if rank < 2 else {"sync": False}
-    return outcome(model, update_bn_stats(model, rank_batches(UNEVEN, rank), **options))
-
-
-def _all_reduce_mean(rank: int, world: int) -> Result:
-    value = torch.tensor([rank + 1.0, 10.0 * rank, 0.25], dtype=torch.float64)
-    returned = all_reduce_mean(value)
-    return {"value": value, "same_object": returned is value}
+    return outcome(model, recompute(model, rank_batches(UNEVEN, rank), **options))
 
 
 def _layout_mismatch(rank: int, world: int) -> Result:
     model = make_model()
     layers = None if rank == 0 else bn_names(model)[:1]
-    return raised(model, lambda: update_bn_stats(model, rank_batches(UNEVEN, rank), layers=layers))
+    return raised(model, lambda: recompute(model, rank_batches(UNEVEN, rank), layers=layers))
 
 
 class _FailingLoader:
@@ -185,7 +178,7 @@ def _failure(rank: int, world: int) -> Result:
     model = make_model()
     batches = rank_batches(UNEVEN, rank)
     loader = _FailingLoader(batches, good=world - 2) if rank == 1 else batches
-    return raised(model, lambda: update_bn_stats(model, loader))
+    return raised(model, lambda: recompute(model, loader))
 
 
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
@@ -200,7 +193,6 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "hook": _hook,
     "syncbn": _syncbn,
     "subgroup": _subgroup,
-    "all_reduce_mean": _all_reduce_mean,
     "layout_mismatch": _layout_mismatch,
     # Last: if a rank's failure were not propagated, the others would wait here forever.
     "failure": _failure,

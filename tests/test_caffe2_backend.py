@@ -444,7 +444,7 @@ def add_zoo_resnet(c2, model, scope):
 @caffe2_env
 def test_parity_with_torch_backend_after_conversion(c2):
     _, workspace, _, model_helper, _ = c2
-    from precise_bn.caffe2_checkpoint import caffe2_to_torch
+    from precise_bn.caffe2.names import caffe2_to_torch
 
     model = model_helper.ModelHelper(name="zoo")
     for i in range(2):
@@ -478,7 +478,7 @@ def test_parity_with_torch_backend_after_conversion(c2):
 
 @pytest.mark.main_env
 def test_backend_without_caffe2_says_how_to_get_it():
-    import precise_bn.caffe2_backend  # noqa: F401 (importing the module never needs caffe2)
+    import precise_bn.caffe2.backend  # noqa: F401 (importing the module never needs caffe2)
 
     assert "caffe2" not in sys.modules
     helper = BatchNormHelper(backend="caffe2", iters=2)

@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from precise_bn.caffe2_checkpoint import (
-    caffe2_to_torch,
-    load_caffe2_pickle,
-    read_caffe2_pickle,
-    save_caffe2_pickle,
-    torch_to_caffe2,
-)
+from precise_bn.caffe2.checkpoint import load_caffe2_pickle, read_caffe2_pickle, save_caffe2_pickle
+from precise_bn.caffe2.names import caffe2_to_torch, torch_to_caffe2
 from precise_bn.errors import CheckpointError, UnsafeCheckpointError
 
 BN_SUFFIXES = ("_s", "_b", "_rm", "_riv")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from precise_bn.capture import CallCapture, calls_per_block, flush
+from precise_bn.pytorch.capture import CallCapture, calls_per_block, flush
 from precise_bn.estimator import PopulationStats
 from reference import assert_close_default, assert_close_exact
 
@@ -26,14 +26,12 @@ def _reference(inputs):
 
 def _run(inputs, exact=False, block_calls=None, bn=None):
     bn = bn if bn is not None else nn.BatchNorm2d(C)
-    bn.train()
-    bn.momentum = 1.0
     capture = CallCapture(PopulationStats(C, name="bn"), exact=exact, block_calls=block_calls)
     capture.attach(bn)
     with torch.no_grad():
         for x in inputs:
             bn(x)
-    CallCapture.detach(bn)
+    capture.detach(bn)
     return capture, bn
 
 
@@ -89,14 +87,40 @@ def test_a_subclass_forward_runs_with_the_slot_as_its_buffers():
     assert type(bn) is DoublingBN
 
 
-def test_attach_keeps_name_and_isinstance_and_detach_restores_the_class():
-    bn = nn.BatchNorm2d(C)
+class Renamed(nn.BatchNorm2d):
+    """A subclass whose base is not the class a detach must restore."""
+
+
+def test_attach_sets_momentum_and_mode_and_detach_restores_the_saved_class():
+    bn = Renamed(C, momentum=0.3).eval()
     capture = CallCapture(PopulationStats(C))
     capture.attach(bn)
-    assert isinstance(bn, nn.BatchNorm2d) and type(bn) is not nn.BatchNorm2d
-    assert type(bn).__name__ == "BatchNorm2d" and "_precise_bn_capture" in vars(bn)
-    CallCapture.detach(bn)
-    assert type(bn) is nn.BatchNorm2d and "_precise_bn_capture" not in vars(bn)
+    assert isinstance(bn, Renamed) and type(bn) is not Renamed
+    assert type(bn).__name__ == "Renamed" and "_precise_bn_capture" in vars(bn)
+    assert bn.momentum == 1.0 and bn.training
+    # Another swap on top (a second tool doing the same trick) must not confuse the restore.
+    capture.detach(bn)
+    assert type(bn) is Renamed and "_precise_bn_capture" not in vars(bn)
+    assert bn.momentum == 0.3 and not bn.training
+    capture.detach(bn)
+    assert type(bn) is Renamed
+
+
+def test_a_layer_copied_or_pickled_during_a_pass_is_the_plain_layer():
+    import copy
+    import pickle
+
+    bn = nn.BatchNorm2d(C, momentum=0.2).eval()
+    capture = CallCapture(PopulationStats(C))
+    capture.attach(bn)
+    with torch.no_grad():
+        bn(torch.randn(4, C, 3, 3))
+    for clone in (copy.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
+        assert type(clone) is nn.BatchNorm2d and "_precise_bn_capture" not in vars(clone)
+        assert clone.momentum == 0.2 and not clone.training
+        assert torch.equal(clone.running_mean, torch.zeros(C))
+        clone(torch.randn(2, C, 3, 3))
+    capture.detach(bn)
 
 
 def test_calls_per_block_shrinks_for_wide_layers():

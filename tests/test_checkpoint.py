@@ -20,9 +20,10 @@ import torch
 from cli_factories import Caffe2StyleNet, batches, small_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn import __version__
-from precise_bn.checkpoint import SAFE_LOAD_AVAILABLE, STAT_SUFFIXES
+from precise_bn.checkpoint.formats import SAFE_LOAD_AVAILABLE
+from precise_bn.checkpoint.state import STAT_SUFFIXES
 from precise_bn.cli import main
-from precise_bn.specs import resolve_data
+from precise_bn.cli.specs import resolve_data
 from reference import assert_close_default, assert_close_exact, float64_reference
 
 BN_NAMES = ("1", "4", "9")
@@ -369,7 +370,7 @@ def test_torchrun_two_ranks_merge_exactly_and_rank0_writes(tmp_path):
 
 
 def test_safetensors_missing_says_how_to_install(tmp_path, monkeypatch):
-    from precise_bn.checkpoint import load_checkpoint
+    from precise_bn.checkpoint.formats import load_checkpoint
     from precise_bn.errors import BackendUnavailableError
 
     path = tmp_path / "m.safetensors"

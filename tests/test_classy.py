@@ -14,7 +14,7 @@ from classy_vision.tasks import ClassificationTask
 from classy_vision.trainer import LocalTrainer
 from torch import nn
 
-from precise_bn import ConfigError, update_bn_stats
+from precise_bn import ConfigError, recompute
 from precise_bn.classy import PreciseBatchNormHook
 from reference import assert_close_default, float64_reference
 
@@ -63,7 +63,7 @@ def bn_stats(model: nn.Module):
 
 
 @pytest.mark.parametrize("cache_samples", [False, True])
-def test_stats_after_each_training_phase_match_update_bn_stats(cache_samples):
+def test_stats_after_each_training_phase_match_recompute(cache_samples):
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3), nn.BatchNorm1d(3)
@@ -94,7 +94,7 @@ def test_stats_after_each_training_phase_match_update_bn_stats(cache_samples):
     for phase, model in enumerate(snapshots.models):
         saved = bn_stats(model)
         replay = copy.deepcopy(model)
-        update_bn_stats(replay, inputs, num_iters=None)
+        recompute(replay, inputs)
         for name, (mean, var) in bn_stats(replay).items():
             assert torch.equal(saved[name][0], mean) and torch.equal(saved[name][1], var), (phase, name)
         for name, (mean, var, _) in float64_reference(model, inputs).items():

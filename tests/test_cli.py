@@ -13,11 +13,12 @@ import torch
 
 from cli_factories import Caffe2StyleNet, batches, small_net
 from cli_helpers import REPO, TRUST, assert_same_except, bn_paths, load, run_cli, without
-from precise_bn.checkpoint import bn_layers
-from precise_bn.cli import main, plot_drift
+from precise_bn.checkpoint.state import bn_layers
+from precise_bn.cli import main
+from precise_bn.cli.inspect import plot_drift
 from precise_bn.errors import BackendUnavailableError, ConfigError
 from precise_bn.report import LayerReport
-from precise_bn.specs import resolve_data, resolve_model
+from precise_bn.cli.specs import resolve_data, resolve_model
 from reference import assert_close_default, float64_reference
 
 
@@ -169,7 +170,7 @@ def _caffe2_blobs(net: Caffe2StyleNet):
 
 
 def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path):
-    from precise_bn.caffe2_checkpoint import load_caffe2_pickle, save_caffe2_pickle
+    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
 
     torch.manual_seed(0)
     net = Caffe2StyleNet()
@@ -192,7 +193,7 @@ def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path):
 
 
 def test_caffe2_pickle_with_custom_name_rules(tmp_path):
-    from precise_bn.caffe2_checkpoint import load_caffe2_pickle, save_caffe2_pickle
+    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
 
     torch.manual_seed(0)
     net = Caffe2StyleNet()
@@ -217,7 +218,7 @@ def test_caffe2_pickle_with_custom_name_rules(tmp_path):
 
 
 def test_convert_caffe2_torch_safetensors_round_trip(tmp_path):
-    from precise_bn.caffe2_checkpoint import load_caffe2_pickle, save_caffe2_pickle
+    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
@@ -310,7 +311,7 @@ def test_spec_errors_name_the_spec(tmp_path, capsys):
         (["--model", "cli_factories:small_net", "--model-kwargs", '{"depth": 3}', "--data", "cli_factories:batches"], "depth"),
         (["--model", "cli_factories:small_net", "--data", "cli_factories:fixed_batches", "--batch-size", "4"], "batch_size"),
         (["--model", "cli_factories:small_net", "--data", "npz:{}".format(tmp_path / "none.npz")], "none.npz"),
-        (["--model", "cli_factories:small_net", "--data", "cli_factories:batches", "--device", "gpu7"], "--device 'gpu7'"),
+        (["--model", "cli_factories:small_net", "--data", "cli_factories:batches", "--device", "gpu7"], "device 'gpu7'"),
     ]
     for args, needle in cases:
         assert main(["recompute", str(tmp_path / "a.pt"), "-q"] + args + TRUST) == 1

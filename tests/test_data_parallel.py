@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dist_workers import UNEVEN, make_model, rank_batches, union_batches
-from precise_bn import update_bn_stats
+from precise_bn import recompute
 from reference import assert_close_default, assert_close_exact, float64_reference
 
 
@@ -85,7 +85,7 @@ def test_replica_calls_count_per_layer_and_match_union_reference(exact):
     replicas = 3
     batches = rank_batches([[9, 6, 8]], 0)  # chunks of 3,3,3 / 2,2,2 / 3,3,2
     model = make_model()
-    report = update_bn_stats(ThreadedDataParallel(model, replicas), batches, num_iters=None, exact=exact)
+    report = recompute(ThreadedDataParallel(model, replicas), batches, exact=exact)
     chunks = [chunk for batch in batches for chunk in batch.chunk(replicas)]
     check = assert_close_exact if exact else assert_close_default
     modules = dict(model.named_modules())
@@ -112,7 +112,7 @@ def test_data_parallel_wrapper_on_cpu_runs_the_module():
     """Without GPUs nn.DataParallel calls its module directly; names carry its ``module.``."""
     batches = union_batches(UNEVEN, 2)
     model = make_model()
-    report = update_bn_stats(nn.DataParallel(model), batches, num_iters=None)
+    report = recompute(nn.DataParallel(model), batches)
     for name, (ref_mean, ref_var, count) in float64_reference(make_model(), batches).items():
         module = dict(model.named_modules())[name]
         assert_close_default(module.running_mean, module.running_var, ref_mean, ref_var, name)

@@ -14,8 +14,8 @@ from reference import assert_close_default, float64_reference
 
 @pytest.mark.main_env
 def test_demo_command_end_to_end(tmp_path):
-    from precise_bn.demo import evaluate, load_digits_splits, make_model
-    from precise_bn.specs import resolve_data
+    from precise_bn.cli.demo import evaluate, load_digits_splits, make_model
+    from precise_bn.cli.specs import resolve_data
 
     result = run_cli("demo", "--steps", "60", "--workdir", tmp_path)
     assert result.returncode == 0, result.stderr
@@ -49,7 +49,7 @@ def test_demo_command_end_to_end(tmp_path):
 
 @pytest.mark.main_env
 def test_digits_splits_are_stratified_and_seeded():
-    from precise_bn.demo import load_digits_splits
+    from precise_bn.cli.demo import load_digits_splits
 
     train_x, train_y, test_x, test_y = load_digits_splits(0)
     assert train_x.dtype == torch.float32 and train_y.dtype == torch.int64
@@ -62,7 +62,7 @@ def test_digits_splits_are_stratified_and_seeded():
 
 
 def test_demo_without_scikit_learn_says_how_to_install(monkeypatch):
-    from precise_bn.demo import load_digits_splits
+    from precise_bn.cli.demo import load_digits_splits
 
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)

@@ -22,7 +22,7 @@ from torch import nn
 
 import dist_workers as W
 import precise_bn
-from precise_bn import ConfigError, PopulationStats, update_bn_stats
+from precise_bn import PopulationStats, recompute
 from precise_bn import distributed
 from reference import assert_close_default, assert_close_exact, float64_reference
 
@@ -148,7 +148,7 @@ def test_per_rank_option_keeps_each_ranks_own_stats(world_runs):
 def test_no_batch_on_any_rank_raises_everywhere_and_changes_nothing(world_runs):
     _, per_rank = scenario(world_runs, "all_empty")
     for result in per_rank:
-        assert result["error"] == "EmptyDataError" and "no rank" in result["message"]
+        assert result["error"] == "EmptyDataError" and "on any rank" in result["message"]
         assert result["unchanged"]
 
 
@@ -168,40 +168,25 @@ def test_failure_on_one_rank_raises_on_all_instead_of_hanging(world_runs):
     assert all(r["unchanged"] for r in per_rank)
 
 
-def test_all_reduce_mean_averages_in_place(world_runs):
-    world, per_rank = scenario(world_runs, "all_reduce_mean")
-    expected = torch.stack(
-        [torch.tensor([r + 1.0, 10.0 * r, 0.25], dtype=torch.float64) for r in range(world)]
-    ).mean(0)
-    for result in per_rank:
-        assert result["same_object"]
-        assert torch.allclose(result["value"], expected, rtol=1e-15, atol=0)
-
-
 def test_single_process_is_the_identity():
     assert not distributed.is_distributed()
     assert (distributed.get_world_size(), distributed.get_rank()) == (1, 0)
     assert distributed.is_main_process() and not distributed.resolve_sync(None)
     assert not distributed.resolve_sync(True)
-    value = torch.tensor([1.5, -2.0])
-    assert distributed.all_reduce_mean(value) is value and value.tolist() == [1.5, -2.0]
-    with pytest.raises(ConfigError, match="int64"):
-        distributed.all_reduce_mean(torch.tensor([1, 2]))
     stats = PopulationStats(2, name="bn")
-    stats.add_batch(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25]), 4)
-    assert distributed.merge_ranks([stats], 3, 12) == ([stats], 3, 12)
-    distributed.abort_merge()
+    stats.add_call(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25]), 4)
+    ranks = distributed.Ranks(enabled=True)
+    assert ranks.world == 1 and ranks.gather_stats([stats]) == [stats]
+    assert ranks.exchange(distributed.ACTIVE, 3, 12)[0].batches == 3
+    ranks.abort()
     distributed.barrier()
-    with pytest.raises(OSError):
-        with distributed.abort_merge_on_error(True):
-            raise OSError("propagates unchanged")
 
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_syncbn_on_one_process_matches_reference_and_is_restored(exact):
     model = W.make_model(sync_bn=True)
     batches = W.union_batches(W.UNEVEN, 3)
-    report = update_bn_stats(model, batches, num_iters=None, exact=exact)
+    report = recompute(model, batches, exact=exact)
     check = assert_close_exact if exact else assert_close_default
     for name, (ref_mean, ref_var, count) in float64_reference(W.make_model(), batches).items():
         module = dict(model.named_modules())[name]

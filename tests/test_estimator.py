@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from precise_bn import NonFiniteStatsError, PopulationStats
+from precise_bn.estimator import combine_calls
 
 
 def _moments(x: torch.Tensor):
@@ -18,7 +19,7 @@ def test_chan_merge_matches_two_pass_for_ragged_batches():
     stats = PopulationStats(4, name="layer")
     for chunk in chunks:
         mean, var = _moments(chunk)
-        stats.add_batch(mean, var, chunk.shape[1])
+        stats.add_call(mean, var, chunk.shape[1])
     ref_mean, ref_var = _moments(torch.cat(chunks, 1))
     mean, var = stats.finalize()
     assert stats.count == sum(c.shape[1] for c in chunks)
@@ -32,7 +33,7 @@ def test_unbiased_input_is_converted_with_exact_bessel_factor():
     chunks = [torch.randn(3, n, generator=gen, dtype=torch.float64) for n in (2, 5, 9)]
     stats = PopulationStats(3)
     for chunk in chunks:
-        stats.add_batch(chunk.mean(1), chunk.var(1, unbiased=True), chunk.shape[1], unbiased=True)
+        stats.add_call(chunk.mean(1), chunk.var(1, unbiased=True), chunk.shape[1], unbiased=True)
     ref_mean, ref_var = _moments(torch.cat(chunks, 1))
     mean, var = stats.finalize()
     torch.testing.assert_close(var, ref_var, rtol=1e-13, atol=0)
@@ -47,8 +48,8 @@ def test_merge_equals_single_estimator_and_ignores_empty():
     whole, left, right = PopulationStats(5), PopulationStats(5), PopulationStats(5)
     for i, chunk in enumerate(chunks):
         mean, var = _moments(chunk)
-        whole.add_batch(mean, var, chunk.shape[1])
-        (left if i % 2 else right).add_batch(mean, var, chunk.shape[1])
+        whole.add_call(mean, var, chunk.shape[1])
+        (left if i % 2 else right).add_call(mean, var, chunk.shape[1])
     left.merge(PopulationStats(5))
     left.merge(right)
     assert left.count == whole.count and left.calls == whole.calls
@@ -69,47 +70,80 @@ def test_dead_channel_is_exactly_zero_and_never_negative():
     stats = PopulationStats(2)
     for n in (3, 8):
         x = torch.stack([torch.full((n,), 2.5, dtype=torch.float64), torch.arange(n, dtype=torch.float64)])
-        stats.add_batch(*_moments(x), n)
+        stats.add_call(*_moments(x), n)
     _, var = stats.finalize()
     assert var[0].item() == 0.0
     assert var[1].item() > 0
 
 
-def test_add_caffe2_recovers_variance_and_snaps_dead_channel():
-    eps = 1e-5
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 50, generator=gen, dtype=torch.float64) * torch.tensor([[2.0], [0.01], [0.0]]) + 4
-    mean, var = _moments(x)
-    siv = (1.0 / torch.sqrt(var + eps)).float()
-    stats = PopulationStats(3, "res2_0_branch2a_bn")
-    stats.add_caffe2(mean.float().numpy(), siv.numpy(), eps, 50)
-    got_mean, got_var = stats.finalize()
-    assert got_var[2].item() == 0.0
-    # siv carries a float32 rounding: var + eps is known to ~2 float32 ulps.
-    tol = 4 * 2.0 ** -24 * (var + eps)
-    assert ((got_var - var).abs() <= tol).all()
-    assert stats.clamped == 0
-
-
-def test_add_caffe2_clamps_and_counts_negative_variances():
-    eps = 1e-3
-    siv = torch.tensor([1.0 / (eps ** 0.5) * 1.01, 1.0], dtype=torch.float32)  # 1/siv^2 < eps
-    stats = PopulationStats(2)
-    stats.add_caffe2(torch.zeros(2), siv, eps, 10)
-    _, var = stats.finalize()
-    assert var[0].item() == 0.0 and stats.clamped == 1
-    assert var[1].item() == pytest.approx(1.0 - eps)
-
-
 def test_nan_raises_with_layer_name():
     stats = PopulationStats(3, "backbone.bn1")
-    stats.add_batch(torch.tensor([0.0, float("nan"), 1.0]), torch.ones(3), 4)
+    stats.add_call(torch.tensor([0.0, float("nan"), 1.0]), torch.ones(3), 4)
     with pytest.raises(NonFiniteStatsError, match="backbone.bn1"):
         stats.finalize()
 
 
 def test_state_round_trip():
     stats = PopulationStats(4, "x")
-    stats.add_batch(torch.arange(4.0), torch.ones(4), 6)
-    back = PopulationStats.from_state(stats.state(), name="x", calls=stats.calls)
-    assert back.count == stats.count and torch.equal(back.mean, stats.mean) and torch.equal(back.m2, stats.m2)
+    stats.add_call(torch.arange(4.0), torch.ones(4), 6)
+    stats.add_call(torch.arange(4.0) * 2, torch.ones(4) * 3, 5)
+    back = PopulationStats.from_state(stats.state(), name="x")
+    for key in ("count", "calls", "weight"):
+        assert getattr(back, key) == getattr(stats, key)
+    for key in ("mean", "m2", "center", "u", "cov"):
+        assert torch.equal(getattr(back, key), getattr(stats, key))
+
+
+def _brute_force_stderr(chunks):
+    """Per-call moments kept whole: the ratio-estimator standard errors written out directly."""
+    n = torch.tensor([c.shape[1] for c in chunks], dtype=torch.float64)
+    total, k = n.sum(), len(chunks)
+    means = torch.stack([c.mean(1) for c in chunks])
+    variances = torch.stack([((c - c.mean(1, keepdim=True)) ** 2).mean(1) for c in chunks])
+    mu = (n[:, None] * means).sum(0) / total
+    s2 = (n[:, None] * (variances + (means - mu) ** 2)).sum(0) / total
+    y = variances + (means - mu) ** 2
+    factor = k / (k - 1) / total ** 2
+    mean_se = ((n[:, None] ** 2 * (means - mu) ** 2).sum(0) * factor).sqrt()
+    var_se = ((n[:, None] ** 2 * (y - s2) ** 2).sum(0) * factor).sqrt()
+    return mean_se, var_se
+
+
+def test_stderr_matches_per_call_formula_through_blocks_and_merges():
+    """Blocks of calls, merged streams and a state round trip (another rank) give the standard
+    errors of the per-call formula, also for a channel whose mean is 1e4 times its std."""
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.tensor([[1.0], [2.0], [1e-3], [0.5]], dtype=torch.float64)
+    shift = torch.tensor([[0.0], [1e4], [1e2], [-3.0]], dtype=torch.float64)
+    chunks = [torch.randn(4, int(n), generator=gen, dtype=torch.float64) * scale + shift
+              for n in torch.randint(3, 60, (37,), generator=gen)]
+    halves = [PopulationStats(4, "a"), PopulationStats(4, "a")]
+    position = 0
+    while position < len(chunks):
+        block = chunks[position: position + 1 + position % 6]
+        stats = halves[position % 2]
+        means = torch.stack([c.mean(1) for c in block])
+        variances = torch.stack([c.var(1, unbiased=True) for c in block])
+        stats.add(combine_calls(means.clone(), variances.clone(), [c.shape[1] for c in block],
+                                stats.center_for(means[0]), unbiased=True))
+        position += len(block)
+    whole = halves[0]
+    whole.merge(PopulationStats.from_state(halves[1].state(), name="a"))
+    mean_se, var_se = whole.stderr()
+    ref_mean_se, ref_var_se = _brute_force_stderr(
+        [chunks[i] for i in range(len(chunks))])
+    torch.testing.assert_close(mean_se, ref_mean_se, rtol=1e-9, atol=0)
+    torch.testing.assert_close(var_se, ref_var_se, rtol=1e-9, atol=0)
+    mean, var = whole.finalize()
+    ref_mean, ref_var = _moments(torch.cat(chunks, 1))
+    torch.testing.assert_close(var, ref_var, rtol=1e-12, atol=0)
+
+
+def test_stderr_is_nan_after_one_call_and_zero_for_a_dead_channel():
+    stats = PopulationStats(2)
+    x = torch.stack([torch.full((10,), 3.0, dtype=torch.float64), torch.arange(10, dtype=torch.float64)])
+    stats.add_call(*_moments(x), 10)
+    assert torch.isnan(stats.stderr()[0]).all() and torch.isnan(stats.stderr()[1]).all()
+    stats.add_call(*_moments(x + 1), 10)
+    mean_se, var_se = stats.stderr()
+    assert var_se[0].item() == 0.0 and var_se[1].item() == 0.0 and mean_se[0].item() > 0

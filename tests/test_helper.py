@@ -57,7 +57,7 @@ def test_cache_same_iteration_reapplies_without_forward():
     data = _data(5)
     helper = BatchNormHelper(iters=3)
     aux = helper.create_bn_aux_model(model, data)
-    assert aux.model is model  # a view over the same module: no weight copy
+    assert aux.net is model  # the very module: no weight copy
 
     ref_mean, ref_var, _ = float64_reference(model, data[:3])["bn"]
     helper.compute_and_update_bn_stats(curr_iter=100)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from precise_bn import ConfigError, update_bn_stats
-from precise_bn.data import default_forward
+from precise_bn import ConfigError, recompute
+from precise_bn.data import smart_forward as default_forward
 from precise_bn.hooks import PreciseBNHook
 from reference import assert_close_default, float64_reference
 
@@ -46,9 +46,9 @@ def assert_same_stats(a, b):
 
 
 def expected_stats(model: nn.Module, batches):
-    """update_bn_stats on a copy with the same weights and batches, checked against float64."""
+    """recompute on a copy with the same weights and batches, checked against float64."""
     ref = copy.deepcopy(model)
-    update_bn_stats(ref, batches, num_iters=None)
+    recompute(ref, batches)
     stats = bn_stats(ref)
     for name, (mean, var, _) in float64_reference(model, batches).items():
         assert_close_default(stats[name][0], stats[name][1], mean, var, what=name)
@@ -83,7 +83,7 @@ def count_forwards(model: nn.Module):
 def test_same_step_reapplies_cached_stats_without_forward():
     model, batches = make_model(), make_batches(6)
     recorder = Recorder()
-    hook = PreciseBNHook(model, batches, num_iters=3, forward_fn=recorder)
+    hook = PreciseBNHook(model, batches, num_batches=3, forward_fn=recorder)
     forwards = count_forwards(model)
 
     report = hook.before_eval(10)
@@ -105,7 +105,7 @@ def test_same_step_reapplies_cached_stats_without_forward():
 
 def test_periods_let_the_loop_call_every_step():
     model = make_model()
-    hook = PreciseBNHook(model, make_batches(4), num_iters=2, eval_period=3, checkpoint_period=4)
+    hook = PreciseBNHook(model, make_batches(4), num_batches=2, eval_period=3, checkpoint_period=4)
     forwards = count_forwards(model)
     evaluated, saved = [], []
     for step in range(1, 13):
@@ -126,7 +126,7 @@ def test_wraps_around_a_short_finite_source(kind):
     else:
         data = DataLoader(TensorDataset(torch.cat([x for x, _ in batches]), torch.zeros(12)), batch_size=4)
     recorder = Recorder()
-    hook = PreciseBNHook(model, data, num_iters=5, forward_fn=recorder)
+    hook = PreciseBNHook(model, data, num_batches=5, forward_fn=recorder)
     hook.before_eval(1)
     first = bn_stats(model)
     hook.before_eval(2)
@@ -141,7 +141,7 @@ def test_wraps_around_a_short_finite_source(kind):
 
 def test_num_samples_budget():
     model = make_model()
-    hook = PreciseBNHook(model, make_batches(5, size=4), num_iters=None, num_samples=10)
+    hook = PreciseBNHook(model, make_batches(5, size=4), num_batches=None, num_samples=10)
     report = hook.before_eval(1)
     assert report.batches == 3 and report.samples == 12  # the batch crossing the budget is used whole
 
@@ -166,7 +166,7 @@ def test_extra_model_recomputed_on_the_same_batches():
             p.mul_(0.9).add_(0.05)
     ema.eval()  # EMA copies usually stay in eval mode: all their BN layers are recomputed
     recorder = Recorder()
-    hook = PreciseBNHook(model, batches, num_iters=3, extra_models=[ema], forward_fn=recorder)
+    hook = PreciseBNHook(model, batches, num_batches=3, extra_models=[ema], forward_fn=recorder)
     hook.before_eval(1)
     hook.before_eval(2)
     for seen in (recorder.batches_of(model), recorder.batches_of(ema)):
@@ -182,8 +182,8 @@ def test_extra_model_recomputed_on_the_same_batches():
     [
         ({"eval_period": 0}, "eval_period"),
         ({"checkpoint_period": 1.5}, "checkpoint_period"),
-        ({"num_iters": 0}, "num_iters"),
-        ({"num_iters": None}, "num_samples"),
+        ({"num_batches": 0}, "num_batches"),
+        ({"num_batches": None}, "num_samples"),
     ],
 )
 def test_rejects_bad_arguments(kwargs, name):

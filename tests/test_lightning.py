@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from precise_bn import BackendUnavailableError, ConfigError, PreciseBNWarning, update_bn_stats
-from precise_bn.data import default_forward
+from precise_bn import BackendUnavailableError, ConfigError, PreciseBNWarning, recompute
+from precise_bn.data import smart_forward as default_forward
 from precise_bn.lightning import PreciseBNCallback
 from reference import assert_close_default, float64_reference
 
@@ -69,7 +69,7 @@ def test_checkpoints_carry_the_stats_validation_used(tmp_path: Path, attribute):
         used.setdefault(trainer.global_step, []).append(batch)
         return default_forward(module, batch)
 
-    callback = PreciseBNCallback(num_iters=3, attribute=attribute, forward_fn=recording_forward)
+    callback = PreciseBNCallback(num_batches=3, attribute=attribute, forward_fn=recording_forward)
     trainer = lightning.Trainer(
         max_epochs=2,
         accelerator="cpu",
@@ -97,7 +97,7 @@ def test_checkpoints_carry_the_stats_validation_used(tmp_path: Path, attribute):
         replay.load_state_dict(checkpoint["state_dict"])
         saved = bn_stats(replay.model)
         assert len(used[step]) == 3
-        update_bn_stats(replay.model, used[step], num_iters=None)
+        recompute(replay.model, used[step])
         for name, (mean, var) in bn_stats(replay.model).items():
             assert torch.equal(saved[name][0], mean) and torch.equal(saved[name][1], var), (path, name)
             if step in net.validated:
@@ -115,7 +115,7 @@ def test_stats_written_into_a_collected_copy_of_the_state_dict():
         max_steps=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
         logger=False, enable_checkpointing=False, limit_val_batches=0,
     )
-    callback = PreciseBNCallback(num_iters=2, data=loader(16, seed=3))
+    callback = PreciseBNCallback(num_batches=2, data=loader(16, seed=3))
     trainer.fit(net, loader(16, seed=1))
     collected = copy.deepcopy(net.state_dict())
     checkpoint = {"state_dict": dict(collected)}
@@ -135,7 +135,7 @@ def test_ddp_merges_every_rank_shard(tmp_path: Path):
     trainer = lightning.Trainer(
         max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn", enable_progress_bar=False,
         enable_model_summary=False, logger=False, num_sanity_val_steps=0,
-        callbacks=[PreciseBNCallback(num_iters=2), ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)],
+        callbacks=[PreciseBNCallback(num_batches=2), ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)],
     )
     trainer.fit(TinyNet(), train, loader(16, seed=2))
     (path,) = tmp_path.glob("*.ckpt")
@@ -155,7 +155,7 @@ def test_validate_without_training_data_leaves_the_stats_and_warns():
     before = bn_stats(net)
     trainer = lightning.Trainer(
         accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
-        callbacks=[PreciseBNCallback(num_iters=2)],
+        callbacks=[PreciseBNCallback(num_batches=2)],
     )
     with pytest.warns(PreciseBNWarning, match="no training dataloader"):
         trainer.validate(net, loader(16, seed=2), verbose=False)

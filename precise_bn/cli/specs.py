@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from . import distributed
-from .errors import BackendUnavailableError, ConfigError
+from .. import distributed
+from ..errors import BackendUnavailableError, ConfigError
 
 DEFAULT_BATCH_SIZE = 32
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

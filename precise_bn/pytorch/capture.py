@@ -4,27 +4,33 @@ How a call is seen. For the pass, each chosen layer's class is swapped for a sub
 name) whose ``forward`` hands the call to the layer's :class:`CallCapture`. ``nn.Module``'s
 call keeps its hook-free fast path, and module replicas (``nn.DataParallel``) inherit the class
 and the capture like any attribute. A forward hook would cost more than the reading itself.
+Deep-copying or pickling a layer during the pass gives the plain layer it is outside the pass.
 
 How a call's statistics are read without one extra operator. A train-mode BN call with
 ``momentum = 1`` writes exactly its own batch mean into the running-mean tensor it is given and
 its *unbiased* batch variance into the running-variance tensor
 (``momentum * new + (1 - momentum) * old``, with ``old`` finite). The capture hands the kernel
 the next free slot of a per-layer block as those two tensors: for the stock classes
-(``BatchNorm1d/2d/3d`` and ``SyncBatchNorm``, which runs as plain BN for the pass, see
-:mod:`precise_bn.torch_backend`) it calls ``F.batch_norm`` itself; for any other subclass it
-points the layer's two buffers at the slot and runs the subclass's own forward. When a block is
-full, or at the end of the pass, its calls are merged into the layer's float64
-:class:`~precise_bn.estimator.PopulationStats` in one vectorised step. The layer's own buffers
-are never written during the pass, and memory is bounded by the blocks whatever the number of
-batches.
+(``BatchNorm1d/2d/3d`` and ``SyncBatchNorm``, which runs as plain BN for the pass) it calls
+``F.batch_norm`` itself; for any other subclass it points the layer's two buffers at the slot
+and runs the subclass's own forward. When a block is full, or at the end of the pass, its calls
+are merged into the layer's float64 :class:`~precise_bn.estimator.PopulationStats` in one
+vectorised step. The layer's own buffers are never written during the pass, and memory is
+bounded by the blocks whatever the number of batches.
 
 ``exact=True`` measures each call from its input instead, and merges it at once: shifted by the
 float32 batch mean the kernel just wrote, the input is of the order of its std, so float64 sums
 of the shifted values and their squares do not cancel even when mean/std = 1e4, and a constant
 channel gives exactly 0.
+
+Why SyncBatchNorm runs as plain BN: a per-call all-gather would pair up with another rank's
+merge, or hang as soon as ranks have different numbers of batches; normalising each rank's batch
+alone is what one process does over the union of the ranks' batches, and the end-of-pass merge
+then counts every element once.
 """
 from __future__ import annotations
 
+import copyreg
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -33,17 +39,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .estimator import PopulationStats, combine_calls
+from ..estimator import PopulationStats, combine_calls
 
-# Calls kept per block before a merge: 64, or fewer for wide layers so that a block holds at
-# most 64Ki channel values. A merge is one conversion copy and about fifteen small operators,
-# under one operator per call; the float32 blocks of all of ResNet-50's layers take 11 MB.
 MAX_BLOCK_CALLS = 64
 _BLOCK_VALUES = 1 << 16
 
 
 def calls_per_block(channels: int) -> int:
-    """Calls a layer of ``channels`` channels keeps before merging them (16 to 64)."""
+    """Calls a layer keeps before merging them: 64, or fewer (down to 16) for wide layers, so
+    that a block stays small next to the layer's activations."""
     return max(16, min(MAX_BLOCK_CALLS, _BLOCK_VALUES // max(channels, 1)))
 
 
@@ -56,6 +60,15 @@ _CAPTURING_CLASSES: Dict[type, type] = {}
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
+def _reduce_as_plain(self: _BatchNorm, protocol: int) -> Any:
+    """Pickle and deep-copy a layer in a pass as the plain layer it is outside the pass."""
+    capture: CallCapture = self.__dict__[_CAPTURE_ATTR]
+    state = {k: v for k, v in self.__dict__.items() if k != _CAPTURE_ATTR}
+    state.update(momentum=capture.saved_momentum, training=capture.saved_training)
+    # copyreg's reconstructor (what protocol 0 pickles use): the file names only the plain class.
+    return copyreg._reconstructor, (capture.saved_class, object, None), state
+
+
 def _capturing_class(cls: type) -> type:
     """A subclass of ``cls`` (same name) whose forward goes through the layer's capture."""
     sub = _CAPTURING_CLASSES.get(cls)
@@ -66,7 +79,8 @@ def _capturing_class(cls: type) -> type:
         def forward(self: _BatchNorm, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             return self.__dict__[_CAPTURE_ATTR](self, base_forward, direct, input, args, kwargs)
 
-        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        namespace = {"forward": forward, "__reduce_ex__": _reduce_as_plain, "__module__": cls.__module__}
+        sub = type(cls.__name__, (cls,), namespace)
         sub.__qualname__ = cls.__qualname__
         _CAPTURING_CLASSES[cls] = sub
     return sub
@@ -133,6 +147,9 @@ class CallCapture:
         self._scratch = scratch if scratch is not None else Scratch()
         self._blocks: Dict[torch.device, _Block] = {}
         self._lock = threading.Lock()
+        self.saved_class: Optional[type] = None
+        self.saved_momentum: Optional[float] = None
+        self.saved_training = True
 
     def _block_for(self, like: torch.Tensor) -> _Block:
         block = self._blocks.get(like.device)
@@ -141,17 +158,25 @@ class CallCapture:
         return block
 
     def attach(self, module: _BatchNorm) -> None:
-        """Route ``module``'s calls through this capture until :meth:`detach`."""
+        """Route ``module``'s calls through this capture until :meth:`detach`: its class is
+        swapped, it is put in training mode with ``momentum = 1`` (what makes the kernel write
+        exactly the call's statistics), and what it had is saved."""
         self._block_for(module.running_mean)
+        self.saved_class = type(module)
+        self.saved_momentum = module.momentum
+        self.saved_training = module.training
         module.__dict__[_CAPTURE_ATTR] = self
-        module.__class__ = _capturing_class(type(module))
+        module.__class__ = _capturing_class(self.saved_class)
+        module.momentum = 1.0
+        module.training = True
 
-    @staticmethod
-    def detach(module: _BatchNorm) -> None:
-        """Undo :meth:`attach`. Restoring the buffers is the caller's (see ``BNPass``)."""
-        if _CAPTURE_ATTR in module.__dict__:
+    def detach(self, module: _BatchNorm) -> None:
+        """Undo :meth:`attach` (idempotent). Restoring the buffers is the caller's (``BNPass``)."""
+        if module.__dict__.get(_CAPTURE_ATTR) is self:
+            module.__class__ = self.saved_class
+            module.momentum = self.saved_momentum
+            module.training = self.saved_training
             del module.__dict__[_CAPTURE_ATTR]
-            module.__class__ = module.__class__.__bases__[0]
 
     def __call__(
         self,
@@ -180,7 +205,7 @@ class CallCapture:
                 mean.zero_()
                 var.zero_()
             elif self.exact:
-                self.stats.add_batch(*self._measure_input(x.detach(), mean, n), n)
+                self.stats.add_call(*self._measure_input(x.detach(), mean, n), n)
             else:
                 block.counts.append(n)
                 if i + 1 == self.block_calls:
@@ -216,8 +241,8 @@ class CallCapture:
         if block.counts:
             pending = block.pending()
             pairs = self._scratch.buffer(pending.shape, pending.device, torch.float64).copy_(pending)
-            count, mean, m2 = combine_calls(pairs[0], pairs[1], block.counts, unbiased=True)
-            self.stats.add_moments(count, mean, m2, calls=len(block.counts))
+            center = self.stats.center_for(pairs[0, 0])
+            self.stats.add(combine_calls(pairs[0], pairs[1], block.counts, center, unbiased=True))
             block.counts = []
 
     def flush(self) -> PopulationStats:
@@ -259,9 +284,10 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
             groups.setdefault(key, []).append((capture, block))
     for (_, _, calls, n), members in groups.items():
         pending = torch.cat([block.pending() for _, block in members], dim=2).double()
-        count, mean, m2 = combine_calls(pending[0], pending[1], [n] * calls, unbiased=True)
+        center = torch.cat([capture.stats.center_for(block.pending()[0, 0].double()) for capture, block in members])
+        combined = combine_calls(pending[0], pending[1], [n] * calls, center, unbiased=True)
         widths = [block.store.shape[2] for _, block in members]
-        for (capture, block), layer_mean, layer_m2 in zip(members, mean.split(widths), m2.split(widths)):
-            capture.stats.add_moments(count, layer_mean, layer_m2, calls=calls)
+        for (capture, block), part in zip(members, combined.split(widths)):
+            capture.stats.add(part)
             block.counts = []
     return [capture.stats for capture in captures]

@@ -1,4 +1,4 @@
-"""update_bn_stats against a float64 two-pass reference of every BN input of every call."""
+"""recompute() against a float64 two-pass reference of every BN input of every call."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,7 @@ from precise_bn import (
     PreciseBNWarning,
     get_bn_modules,
     update_bn,
-    update_bn_stats,
+    recompute,
 )
 from reference import assert_close_default, assert_close_exact, float64_reference
 
@@ -90,7 +90,7 @@ def test_each_bn_kind_matches_float64_reference(kind, exact):
     model = BNOnly(factory())
     batches = make_batches(shapes)
     ref_mean, ref_var, count = float64_reference(model, batches)["bn"]
-    report = update_bn_stats(model, batches, num_iters=len(batches), exact=exact)
+    report = recompute(model, batches, num_batches=len(batches), exact=exact)
     layer = report["bn"]
     assert layer.elements == count and layer.calls == len(batches)
     check = assert_close_exact if exact else assert_close_default
@@ -103,11 +103,11 @@ def test_lazy_bn_once_materialised_and_refused_before():
     lazy = BNOnly(nn.LazyBatchNorm2d())
     batches = make_batches([(3, C, 4, 4), (2, C, 4, 4)])
     with pytest.raises(LayerError, match="bn.*materialised"):
-        update_bn_stats(lazy, batches, num_iters=2)
+        recompute(lazy, batches, num_batches=2)
     with torch.no_grad():
         lazy(batches[0])
     ref_mean, ref_var, _ = float64_reference(lazy, batches)["bn"]
-    update_bn_stats(lazy, batches, num_iters=2)
+    recompute(lazy, batches, num_batches=2)
     assert_close_default(lazy.bn.running_mean, lazy.bn.running_var, ref_mean, ref_var)
 
 
@@ -154,7 +154,7 @@ def test_reused_partly_used_and_unused_layers(exact):
     before = _buffers(model)
     ref = float64_reference(model, batches)
     with pytest.warns(PreciseBNWarning, match="never"):
-        report = update_bn_stats(model, batches, num_iters=10, exact=exact)
+        report = recompute(model, batches, num_batches=10, exact=exact)
     check = assert_close_exact if exact else assert_close_default
     for name in ("bn1", "shared", "branch", "bn_head"):
         mean, var, count = ref[name]
@@ -173,7 +173,7 @@ def test_state_is_restored_and_references_see_new_stats():
     model.drop.train()
     held = model.bn1.running_var
     before = _buffers(model)
-    update_bn_stats(model, batches, num_iters=5)
+    recompute(model, batches, num_batches=5)
     assert model.bn1.running_var is held
     assert not torch.equal(held, before["bn1.running_var"])
     for name, module in model.named_modules():
@@ -191,7 +191,7 @@ def test_eval_mode_model_recomputes_all_layers_and_stays_in_eval():
     model.eval()
     ref = float64_reference(model, batches)
     with pytest.warns(PreciseBNWarning):
-        report = update_bn_stats(model, batches, num_iters=5)
+        report = recompute(model, batches, num_batches=5)
     assert {layer.name for layer in report.layers} == {"bn1", "shared", "branch", "never", "bn_head"}
     mean, var, _ = ref["bn1"]
     assert_close_default(model.bn1.running_mean, model.bn1.running_var, mean, var)
@@ -204,21 +204,21 @@ def test_only_training_layers_by_default_and_explicit_lists():
     assert model.bn1 not in get_bn_modules(model)
     before = model.bn1.running_mean.clone()
     with pytest.warns(PreciseBNWarning):
-        report = update_bn_stats(model, batches, num_iters=2)
+        report = recompute(model, batches, num_batches=2)
     assert "bn1" not in {layer.name for layer in report.layers}
     assert torch.equal(model.bn1.running_mean, before)
-    report = update_bn_stats(model, batches, num_iters=2, layers=["bn1", model.bn_head])
+    report = recompute(model, batches, num_batches=2, layers=["bn1", model.bn_head])
     assert [layer.name for layer in report.layers] == ["bn1", "bn_head"]
     assert not torch.equal(model.bn1.running_mean, before) and not model.bn1.training
     with pytest.raises(ConfigError, match="conv"):
-        update_bn_stats(model, batches, layers=["conv"])
+        recompute(model, batches, layers=["conv"])
     with pytest.raises(ConfigError, match="nope"):
-        update_bn_stats(model, batches, layers=["nope"])
+        recompute(model, batches, layers=["nope"])
 
 
 def test_untracked_and_frozen_layers_are_skipped():
     model = nn.Sequential(nn.BatchNorm2d(C, track_running_stats=False), nn.BatchNorm2d(C))
-    report = update_bn_stats(model, make_batches([(2, C, 3, 3)]), num_iters=1)
+    report = recompute(model, make_batches([(2, C, 3, 3)]), num_batches=1)
     assert [layer.name for layer in report.layers] == ["1"]
 
 
@@ -239,7 +239,7 @@ def test_batch_conventions(wrap):
     else:
         data = [{"pixels": x} for x in batches]
         kwargs = {"forward_fn": lambda m, b: m(b["pixels"])}
-    report = update_bn_stats(model, data, num_iters=2, **kwargs)
+    report = recompute(model, data, num_batches=2, **kwargs)
     assert report.samples == 5
     assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
 
@@ -247,23 +247,23 @@ def test_batch_conventions(wrap):
 def test_num_samples_budget_and_short_loader_warning():
     model = BNOnly(nn.BatchNorm2d(C))
     batches = make_batches([(4, C, 2, 2)] * 5, huge=False)
-    report = update_bn_stats(model, batches, num_iters=None, num_samples=10)
+    report = recompute(model, batches, num_samples=10)
     assert report.batches == 3 and report.samples == 12
     ref_mean, ref_var, _ = float64_reference(model, batches[:3])["bn"]
     assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
-    with pytest.warns(PreciseBNWarning, match=r"5 batches.*num_iters=8"):
-        assert update_bn_stats(model, batches, num_iters=8).batches == 5
+    with pytest.warns(PreciseBNWarning, match=r"5 batches.*num_batches=8"):
+        assert recompute(model, batches, num_batches=8).batches == 5
     with pytest.warns(PreciseBNWarning, match=r"20 samples.*num_samples=100"):
-        update_bn_stats(model, batches, num_samples=100)
-    with pytest.raises(ConfigError, match="num_iters"):
-        update_bn_stats(model, batches, num_iters=0)
+        recompute(model, batches, num_samples=100)
+    with pytest.raises(ConfigError, match="num_batches"):
+        recompute(model, batches, num_batches=0)
 
 
 def test_empty_loader_raises_before_touching_anything():
     model, _ = _network_and_batches()
     before = _buffers(model)
     with pytest.raises(EmptyDataError):
-        update_bn_stats(model, [], num_iters=3)
+        recompute(model, [], num_batches=3)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not any(m._forward_hooks for m in model.modules())
 
@@ -287,7 +287,7 @@ def test_failure_mid_pass_leaves_model_exactly_as_it_was(exc, exact):
     before = _buffers(model)
     flags = {n: (m.training, getattr(m, "momentum", None)) for n, m in model.named_modules()}
     with pytest.raises(type(exc)):
-        update_bn_stats(model, _failing(batches, 3, exc), num_iters=10, exact=exact)
+        recompute(model, _failing(batches, 3, exc), num_batches=10, exact=exact)
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
     assert flags == {n: (m.training, getattr(m, "momentum", None)) for n, m in model.named_modules()}
@@ -306,7 +306,7 @@ def test_exception_in_forward_fn_restores_state():
             raise RuntimeError("forward failed")
 
     with pytest.raises(RuntimeError, match="forward failed"):
-        update_bn_stats(model, batches, num_iters=5, forward_fn=forward_fn)
+        recompute(model, batches, num_batches=5, forward_fn=forward_fn)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
@@ -316,7 +316,7 @@ def test_nan_batch_raises_naming_layer_and_changes_nothing():
     batches[2] = batches[2].clone()
     batches[2][0, 2, 1, 1] = float("nan")
     with pytest.raises(NonFiniteStatsError, match="bn1"):
-        update_bn_stats(model, batches, num_iters=5)
+        recompute(model, batches, num_batches=5)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
@@ -326,7 +326,7 @@ def test_nan_in_old_buffers_does_not_leak():
     model.bn.running_mean.fill_(float("inf"))
     batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)])
     ref_mean, ref_var, _ = float64_reference(model, batches)["bn"]
-    update_bn_stats(model, batches, num_iters=2)
+    recompute(model, batches, num_batches=2)
     assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
 
 
@@ -334,7 +334,7 @@ def test_unbiased_option_and_momentum_none():
     model = BNOnly(nn.BatchNorm2d(C, momentum=None))
     batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False)
     ref_mean, ref_var, count = float64_reference(model, batches)["bn"]
-    report = update_bn_stats(model, batches, num_iters=2, unbiased=True, exact=True)
+    report = recompute(model, batches, num_batches=2, unbiased=True, exact=True)
     assert_close_exact(report["bn"].new_mean, report["bn"].new_var, ref_mean, ref_var * count / (count - 1))
     assert model.bn.momentum is None
 
@@ -343,7 +343,7 @@ def test_ddp_like_wrapper_is_unwrapped_and_device_moves_batches():
     model = BNOnly(nn.BatchNorm2d(C))
     batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False)
     ref_mean, ref_var, _ = float64_reference(model, batches)["bn"]
-    report = update_bn_stats(model, [(x.double(), 0) for x in batches], num_iters=2,
+    report = recompute(model, [(x.double(), 0) for x in batches], num_batches=2,
                              forward_fn=lambda m, b: m(b[0].float()), device="cpu")
     assert report.batches == 2
     assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
@@ -352,7 +352,7 @@ def test_ddp_like_wrapper_is_unwrapped_and_device_moves_batches():
 def test_autocast_keeps_bn_in_float32():
     model = nn.Sequential(nn.Conv2d(C, 4, 1), nn.BatchNorm2d(4))
     batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False, dead=False)
-    report = update_bn_stats(model, batches, num_iters=2, autocast=torch.bfloat16, exact=True)
+    report = recompute(model, batches, num_batches=2, autocast=torch.bfloat16, exact=True)
     assert model[1].running_mean.dtype == torch.float32
     # bfloat16 convolutions: compare with the float64 statistics of the autocast activations.
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -365,12 +365,18 @@ def test_progress_bar_and_logging(caplog, capsys):
     model = BNOnly(nn.BatchNorm2d(C))
     batches = make_batches([(2, C, 3, 3)] * 4, huge=False)
     with caplog.at_level("INFO", logger="precise_bn"):
-        update_bn_stats(model, batches, num_iters=4, progress="tqdm", log_period=2)
+        recompute(model, batches, num_batches=4, progress=False, log_period=2)
     text = caplog.text
-    assert "recomputing 1 BatchNorm layers" in text and "s/iter" in text and "from 4 batches" in text
-    assert "4/4" in capsys.readouterr().err
+    assert "recomputing 1 BatchNorm layer " in text and "s/batch" in text and "4 batches" in text
+    assert capsys.readouterr().err == ""
+    # The bar's total is what will really be read: the loader's length, not a larger budget.
+    recompute(model, batches, num_batches=200, progress=True)
+    err = capsys.readouterr().err
+    assert "4/4" in err and "/200" not in err
+    recompute(model, batches, num_samples=6, progress=True)
+    assert "6/6" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="progress"):
-        update_bn_stats(model, batches, progress="bar")
+        recompute(model, batches, progress="bar")
 
 
 def test_update_bn_drop_in_covers_whole_loader_and_all_layers():
@@ -391,7 +397,7 @@ def test_update_bn_drop_in_covers_whole_loader_and_all_layers():
 def test_report_drift_and_json():
     model = BNOnly(nn.BatchNorm2d(C))
     batches = make_batches([(3, C, 3, 3)] * 2, huge=False)
-    report = update_bn_stats(model, batches, num_iters=2)
+    report = recompute(model, batches, num_batches=2)
     layer = report["bn"]
     expected = ((layer.new_mean - layer.old_mean).abs() / (layer.new_var + model.bn.eps).sqrt()).max()
     assert layer.mean_drift == pytest.approx(float(expected))

@@ -1,7 +1,7 @@
 """``precise-bn demo``: the whole job on a real, small, offline data set, in seconds on a CPU.
 
 It trains a small BatchNorm CNN briefly on scikit-learn's bundled 8x8 handwritten digits,
-saves a checkpoint, recalibrates it through :func:`precise_bn.cli.recompute` (the code path of
+saves a checkpoint, recalibrates it through :func:`precise_bn.cli.job.recompute_checkpoint` (the code path of
 ``precise-bn recompute``, on files in a temporary folder), and evaluates both checkpoints on
 held-out digits.
 
@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checkpoint import SAFE_LOAD_AVAILABLE
-from .errors import BackendUnavailableError
-from .report import BNReport
+from ..checkpoint.formats import SAFE_LOAD_AVAILABLE
+from ..errors import BackendUnavailableError
+from ..report import BNReport
+from .job import recompute_checkpoint
 
 DEFAULT_STEPS = 300
 BATCH_SIZE = 32
@@ -129,7 +130,7 @@ class DemoResult:
 
 
 def run_demo(
-    steps: int = DEFAULT_STEPS, seed: int = 0, workdir: Optional[str] = None, progress: bool = True
+    steps: int = DEFAULT_STEPS, seed: int = 0, workdir: Optional[str] = None, progress: Optional[bool] = None
 ) -> DemoResult:
     """Train, save, recompute through the ``recompute`` command's function, evaluate, print.
 
@@ -144,9 +145,7 @@ def run_demo(
         torch.set_num_threads(threads)
 
 
-def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: bool) -> DemoResult:
-    from .cli import recompute
-
+def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[bool]) -> DemoResult:
     started = time.perf_counter()
     train_x, train_y, test_x, test_y = load_digits_splits(seed)
     torch.manual_seed(seed)
@@ -167,13 +166,13 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: bool) -> 
         torch.save({"model": model.state_dict(), "steps": steps, "seed": seed}, checkpoint)
         np.savez(data, x=train_x.numpy())
         print(
-            "recompute: precise-bn recompute {} --model precise_bn.demo:make_model --data npz:{}:x "
+            "recompute: precise-bn recompute {} --model precise_bn.cli.demo:make_model --data npz:{}:x "
             "--num-samples {} --batch-size {}".format(checkpoint, data, len(train_x), BATCH_SIZE),
             flush=True,
         )
-        report, output = recompute(
+        report, output = recompute_checkpoint(
             checkpoint,
-            "precise_bn.demo:make_model",
+            "precise_bn.cli.demo:make_model",
             "npz:{}:x".format(data),
             num_samples=len(train_x),
             batch_size=BATCH_SIZE,

@@ -1,0 +1,152 @@
+"""The entry points for PyTorch models: :func:`recompute`, and the fvcore and swa_utils drop-ins.
+
+All three run :func:`recalibrate`; they differ only in how a batch reaches the model and in
+the defaults their originals have (see the README's table of differences).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from . import driver
+from .data import move_to_device, smart_forward, whole_batch_forward
+from .options import DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, ForwardFn, LayerSpec, Options
+from .pytorch.bn_pass import BNPass
+from .pytorch.layers import select_layers, unwrap_model
+from .report import BNReport
+
+
+def recompute(
+    model: nn.Module,
+    data: Iterable[Any],
+    *,
+    num_batches: Optional[int] = None,
+    num_samples: Optional[int] = None,
+    forward_fn: Optional[ForwardFn] = None,
+    device: Union[None, str, torch.device] = None,
+    layers: LayerSpec = None,
+    exact: bool = False,
+    autocast: Union[None, bool, torch.dtype] = None,
+    sync: Optional[bool] = None,
+    group: Any = None,
+    unbiased: bool = False,
+    progress: Optional[bool] = None,
+    rtol: Optional[float] = None,
+    min_batches: int = DEFAULT_MIN_BATCHES,
+    timeout: Union[float, datetime.timedelta] = DEFAULT_TIMEOUT,
+    log_period: Optional[int] = 20,
+) -> BNReport:
+    """Recompute the BN layers' running stats as the population statistics of their inputs.
+
+    The model runs forward only, its BN layers normalising with batch statistics, on batches of
+    ``data``; every call of every chosen layer is measured and merged exactly (see
+    :mod:`precise_bn.estimator`), and the population mean and variance are written into
+    ``running_mean`` / ``running_var`` in place, as the very last step. If the call raises,
+    whatever the exception, ``KeyboardInterrupt`` included, the model is exactly as it was.
+
+    Args:
+        model: the model; DDP and ``torch.compile`` wrappers are looked through.
+        data: any iterable of batches.
+        num_batches: read at most this many batches (None: no limit).
+        num_samples: stop once this many samples were read (a batch is never cut).
+            With neither budget, the whole of ``data`` is read (or until ``rtol`` is met).
+        forward_fn: ``forward_fn(model, batch)``. By default: a tensor is ``model(batch)``,
+            ``(input, target, ...)`` is ``model(batch[0])``, ``{"input": x, ...}`` is
+            ``model(x)``, anything else ``model(batch)``; a batch of another shape that the
+            model refuses raises :class:`~precise_bn.BatchError` describing it.
+        device: move every tensor nested in a batch there first.
+        layers: None (BN layers in training mode; all of them if the whole model is in eval
+            mode), ``"all"``, or a list of modules or qualified names.
+        exact: measure each call from the BN input in float64 (variance within 1e-7 relative
+            even when mean/std = 1e4) instead of the kernel's float32 statistics.
+        autocast: run the forward under ``torch.autocast`` (True, or a dtype); BN stays float32.
+        sync: merge across ranks (default: whenever a process group spans several processes).
+        group: the process group to merge over.
+        unbiased: write ``M2 / (n - 1)`` instead of the population variance ``M2 / n``.
+        progress: a progress bar on stderr (default: when stderr is a terminal).
+        rtol: stop early once every channel's standard errors satisfy
+            ``mean_stderr <= rtol * std`` and ``var_stderr <= rtol * var`` (checked every few
+            batches; see :mod:`precise_bn.driver`). The budget still applies.
+        min_batches: batches read (over all ranks) before ``rtol`` may stop the pass.
+        timeout: seconds a rank waits for the others before raising DistributedError.
+        log_period: without a bar, log the time per batch every this many batches.
+
+    Returns:
+        A :class:`~precise_bn.BNReport`: per layer, elements and calls seen, old and new stats,
+        drift and standard errors; why the pass stopped and what it read.
+    """
+    opts = Options(
+        num_batches=num_batches, num_samples=num_samples, forward_fn=forward_fn, device=device, layers=layers,
+        exact=exact, autocast=autocast, sync=sync, group=group, unbiased=unbiased, progress=progress, rtol=rtol,
+        min_batches=min_batches, timeout=timeout, log_period=log_period,
+    )
+    return recalibrate(model, data, opts)
+
+
+def update_bn_stats(
+    model: nn.Module,
+    data_loader: Iterable[Any],
+    num_iters: Optional[int] = 200,
+    progress: Any = None,
+    **options: Any,
+) -> BNReport:
+    """A drop-in for ``fvcore.nn.precise_bn.update_bn_stats(model, data_loader, num_iters, progress)``.
+
+    As in fvcore, every batch goes to ``model(batch)`` whatever its type (unless a
+    ``forward_fn`` is given), at most ``num_iters`` batches are read, and ``progress`` may be
+    anything: a bar is shown for ``"tqdm"`` (and ``True``). ``**options`` are those of
+    :func:`recompute` (``num_batches`` excepted: it is ``num_iters`` here). The README lists
+    every difference from fvcore (population variance, restored ``num_batches_tracked``, a
+    warning instead of an ``AssertionError`` for a short loader, ...).
+    """
+    if "num_batches" in options:
+        raise TypeError("update_bn_stats() takes the batch budget as num_iters, not num_batches")
+    opts = Options.build("update_bn_stats", num_batches=num_iters,
+                         progress=progress is True or (isinstance(progress, str) and progress == "tqdm"),
+                         **options)
+    return recalibrate(model, data_loader, opts, whole_batch_forward, budget_name="num_iters")
+
+
+def _swa_forward(device: Optional[torch.device]) -> ForwardFn:
+    def forward(model: nn.Module, batch: Any) -> Any:
+        if isinstance(batch, (list, tuple)):
+            batch = batch[0]
+        return model(move_to_device(batch, device))
+
+    return forward
+
+
+def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, torch.device] = None) -> BNReport:
+    """A drop-in for ``torch.optim.swa_utils.update_bn``: one pass over the whole loader.
+
+    As in swa_utils, a list/tuple batch gives ``model(batch[0])`` and anything else
+    ``model(batch)``, the input moved to ``device``, and every BN layer that tracks running
+    stats is recomputed whatever its train flag. What differs (exact population statistics,
+    dropout left as it was, ...) is listed in the README.
+    """
+    opts = Options(device=device, layers="all", progress=False)
+    return recalibrate(model, loader, opts.replace(device=None), _swa_forward(opts.device))
+
+
+def recalibrate(
+    model: nn.Module,
+    data: Iterable[Any],
+    opts: Options,
+    default_forward: ForwardFn = smart_forward,
+    *,
+    budget_name: str = "num_batches",
+    on_write: Optional[Callable[[BNReport], Any]] = None,
+) -> BNReport:
+    """Recalibrate ``model`` on ``data`` with ``opts`` (see :func:`precise_bn.driver.recalibrate`);
+    ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None."""
+
+    def make_backend() -> BNPass:
+        net = unwrap_model(model)
+        forward = opts.forward_fn or default_forward
+        return BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
+                      autocast=opts.autocast, explain_batches=opts.forward_fn is None and forward is smart_forward)
+
+    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=on_write)

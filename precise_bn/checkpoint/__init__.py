@@ -1,0 +1,1 @@
+"""Checkpoint files: reading them without running their code, writing back atomically."""

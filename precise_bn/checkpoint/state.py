@@ -1,0 +1,235 @@
+"""State dicts inside checkpoints: where the model's tensors sit, matching them to a model,
+and putting new BN statistics in; no file I/O here (see :mod:`precise_bn.checkpoint.formats`).
+
+Inside the state dict the model's keys may sit under a module prefix (``module.`` from DDP,
+``model.`` from a LightningModule attribute, or both); :func:`match_model` finds it by matching
+the model's own keys, so a Lightning checkpoint with a loss module or an EMA copy next to the
+model still works.
+"""
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..report import BNReport
+
+STATE_DICT_KEYS = ("state_dict", "model", "model_state")
+PROVENANCE_KEY = "precise_bn"
+STAT_SUFFIXES = ("running_mean", "running_var")
+
+StateDict = Dict[str, torch.Tensor]
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the whole object as read, and where its state dict sits in it.
+
+    ``root`` is what the file holds (for Caffe2, the whole unpickled object); ``state_dict`` is the
+    name -> tensor table the model is matched against (for Caffe2, the blobs converted to
+    PyTorch names, and ``source_names`` maps each back to its blob). ``where`` is the path of
+    keys from ``root`` to ``state_dict``, empty when the file is a bare state dict.
+    """
+
+    path: str
+    format: str
+    root: Any
+    state_dict: StateDict
+    where: Tuple[str, ...] = ()
+    metadata: Dict[str, str] = field(default_factory=dict)
+    legacy_format: bool = False
+    source_names: Dict[str, str] = field(default_factory=dict)
+    updated: List[str] = field(default_factory=list)
+
+    @property
+    def provenance(self) -> Optional[Dict[str, Any]]:
+        """The ``precise_bn`` entry a previous recompute left, if any."""
+        if self.format == "safetensors" and PROVENANCE_KEY in self.metadata:
+            return json.loads(self.metadata[PROVENANCE_KEY])
+        if self.format == "torch" and self.where and isinstance(self.root.get(PROVENANCE_KEY), dict):
+            return self.root[PROVENANCE_KEY]
+        return None
+
+    def describe(self) -> str:
+        place = "under " + "/".join(repr(k) for k in self.where) if self.where else "at the top level"
+        return "{}: {} checkpoint, state dict {} ({} tensors)".format(
+            self.path, self.format, place, len(self.state_dict)
+        )
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and len(obj) > 0
+        and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
+    )
+
+
+def _keys_of(node: Any) -> str:
+    if not isinstance(node, Mapping):
+        return "(not a dict: {})".format(type(node).__name__)
+    return ", ".join(repr(k) for k in list(node)[:20]) + (", ..." if len(node) > 20 else "")
+
+
+def locate_state_dict(root: Any, path: str, key: Optional[str] = None) -> Tuple[Tuple[str, ...], StateDict]:
+    """Find the state dict in a loaded ``torch.save`` object; return its key path and itself.
+
+    With ``key`` (``a/b`` for nested dicts) exactly there; otherwise ``root`` itself if it is a
+    mapping of names to tensors, else the one of ``state_dict``, ``model``, ``model_state``
+    that is. Errors name the file and list the keys that are there.
+    """
+    if key is not None:
+        node, where = root, []
+        for part in key.split("/"):
+            if not isinstance(node, Mapping) or part not in node:
+                raise CheckpointError(
+                    "{}: no key {!r} in the checkpoint; keys there: {}".format(
+                        path, "/".join(where + [part]), _keys_of(node)
+                    )
+                )
+            node = node[part]
+            where.append(part)
+        if not _is_state_dict(node):
+            raise CheckpointError(
+                "{}: {!r} holds a {}, not a state dict (a dict of names to tensors)".format(
+                    path, key, type(node).__name__
+                )
+            )
+        return tuple(where), node
+    if _is_state_dict(root):
+        return (), root
+    if isinstance(root, nn.Module):
+        raise CheckpointError(
+            "{}: holds a pickled {} module, not a state dict; save model.state_dict() instead".format(
+                path, type(root).__name__
+            )
+        )
+    if not isinstance(root, Mapping):
+        raise CheckpointError("{}: holds a {}, not a state dict or a dict holding one".format(path, type(root).__name__))
+    found = [k for k in STATE_DICT_KEYS if _is_state_dict(root.get(k))]
+    if len(found) == 1:
+        return (found[0],), root[found[0]]
+    if found:
+        raise CheckpointError(
+            "{}: several state dicts ({}); choose one with --key".format(path, ", ".join(found))
+        )
+    raise CheckpointError(
+        "{}: no state dict at the top level or under {}; top-level keys: {}; name the model's "
+        "with --key".format(path, ", ".join(repr(k) for k in STATE_DICT_KEYS), _keys_of(root))
+    )
+
+
+def prefix_counts(keys: Iterable[str], targets: Iterable[str]) -> "collections.Counter[str]":
+    """For each module prefix ``p`` (``""`` or ending in ``.``), how many ``keys`` are ``p + t``
+    for some ``t`` in ``targets``: the prefix under which a model sits in a larger state dict."""
+    wanted = set(targets)
+    counts: "collections.Counter[str]" = collections.Counter()
+    for key in keys:
+        start = 0
+        while True:
+            if key[start:] in wanted:
+                counts[key[:start]] += 1
+            dot = key.find(".", start)
+            if dot < 0:
+                break
+            start = dot + 1
+    return counts
+
+
+def _sample(names: List[str], limit: int = 12) -> str:
+    return ", ".join(names[:limit]) + (" ... ({} more)".format(len(names) - limit) if len(names) > limit else "")
+
+
+def match_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefix: Optional[str] = None) -> str:
+    """The module prefix under which ``model_state``'s keys sit in the checkpoint.
+
+    Found by matching (``prefix=None``): the one prefix under which every model key exists.
+    Then checked strictly, like ``load_state_dict(strict=True)`` restricted to that prefix:
+    any model key missing, any checkpoint key under the prefix the model lacks, any shape that
+    differs is listed in the error. Only BN's ``num_batches_tracked`` may be absent (Caffe2 and
+    pre-0.4.1 checkpoints have none; it plays no part in the statistics).
+    """
+    if prefix is None:
+        required = [k for k in model_state if not _optional(k)]
+        counts = prefix_counts(ckpt.state_dict, required)
+        full = sorted(p for p, c in counts.items() if c == len(required))
+        if len(full) > 1:
+            raise CheckpointError(
+                "{}: the model's keys appear under several prefixes ({}); choose one with --prefix".format(
+                    ckpt.path, ", ".join(repr(p) for p in full)
+                )
+            )
+        prefix = full[0] if full else (counts.most_common(1)[0][0] if counts else "")
+    is_lazy = getattr(nn.parameter, "is_lazy", lambda t: False)
+    missing = [k for k in model_state if prefix + k not in ckpt.state_dict and not _optional(k)]
+    unexpected = [k for k in ckpt.state_dict if k.startswith(prefix) and k[len(prefix):] not in model_state]
+    shapes = [
+        "{} (checkpoint {}, model {})".format(
+            k, tuple(ckpt.state_dict[prefix + k].shape), tuple(v.shape)
+        )
+        for k, v in model_state.items()
+        if prefix + k in ckpt.state_dict and not is_lazy(v) and ckpt.state_dict[prefix + k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+        lines = ["{}: the checkpoint does not match the model (key prefix {!r}):".format(ckpt.path, prefix)]
+        for title, names in (
+            ("missing from the checkpoint", missing),
+            ("in the checkpoint but not in the model", unexpected),
+            ("different shapes", shapes),
+        ):
+            if names:
+                lines.append("  {} ({}): {}".format(title, len(names), _sample(names)))
+        raise CheckpointError("\n".join(lines))
+    return prefix
+
+
+def _optional(key: str) -> bool:
+    return key == "num_batches_tracked" or key.endswith(".num_batches_tracked")
+
+
+def load_into_model(model: nn.Module, ckpt: Checkpoint, prefix: str) -> None:
+    """Copy the checkpoint's tensors under ``prefix`` into ``model`` (strict; an absent
+    ``num_batches_tracked`` keeps the model's own)."""
+    state = {k: ckpt.state_dict.get(prefix + k, v) for k, v in model.state_dict().items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError("{}: loading into the model failed: {}".format(ckpt.path, exc)) from exc
+
+
+def bn_stats_of(model: nn.Module, report: BNReport) -> StateDict:
+    """The new ``running_mean``/``running_var`` of every layer the report says ran, by model key."""
+    modules = dict(model.named_modules())
+    out: StateDict = {}
+    for layer in report.layers:
+        if layer.ran:
+            for suffix in STAT_SUFFIXES:
+                key = layer.name + "." + suffix if layer.name else suffix
+                out[key] = getattr(modules[layer.name], suffix).detach().cpu()
+    return out
+
+
+def apply_bn_stats(ckpt: Checkpoint, prefix: str, stats: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``stats`` (model keys) into the checkpoint's own tensors, in place, in their dtype."""
+    with torch.no_grad():
+        for key, value in stats.items():
+            target = ckpt.state_dict[prefix + key]
+            target.copy_(value.to(dtype=target.dtype).reshape(target.shape))
+            ckpt.updated.append(prefix + key)
+
+
+def bn_layers(state_dict: Mapping[str, torch.Tensor]) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """BN layers in a state dict, read from its keys: name -> (running_mean, running_var)."""
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(".running_mean") or key == "running_mean":
+            name = key[: -len("running_mean")].rstrip(".")
+            var = state_dict.get(key[: -len("running_mean")] + "running_var")
+            if var is not None:
+                out[name] = (value, var)
+    return out

@@ -1,0 +1,116 @@
+"""The ``precise-bn`` command: recalibrate, inspect and convert saved checkpoints.
+
+    precise-bn recompute ckpt.pt --model torchvision:resnet50 --data imagefolder:/data/train
+    precise-bn inspect ckpt.pt --against ckpt.precise_bn.pt
+    precise-bn convert model_final.pkl model_final.pt
+    precise-bn demo
+
+Exit status: 0 on success, 2 on a usage error, 1 on a failure (the message names the file, key
+or layer at fault). Under ``torchrun`` every rank measures its shard, the stats are merged
+exactly, and rank 0 alone writes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Dict, Iterator, Optional, Sequence
+
+import torch
+
+from .. import distributed
+from ..errors import PreciseBNError
+from . import convert, inspect
+from .demo import run_demo
+from .job import recompute_checkpoint
+from .parser import build_parser
+
+logger = logging.getLogger("precise_bn")
+
+
+def _recompute(args: argparse.Namespace) -> None:
+    options: Dict[str, Any] = {"num_batches": args.num_batches, "num_samples": args.num_samples,
+                               "device": _rank_device(args.device), "exact": args.exact, "rtol": args.rtol,
+                               "progress": False if args.quiet else None}
+    if args.min_batches is not None:
+        options["min_batches"] = args.min_batches
+    report, out = recompute_checkpoint(
+        args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
+        batch_size=args.batch_size, output=args.output, in_place=args.in_place, report_path=args.report,
+        key=args.key, prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=inspect.rules_of(args),
+        **options)
+    if distributed.is_main_process():
+        print(report)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    run_demo(steps=args.steps, seed=args.seed, workdir=args.workdir, progress=False if args.quiet else None)
+
+
+def _rank_device(device: Optional[str]) -> Optional[str]:
+    """Under torchrun, a bare ``cuda`` means this rank's GPU (``LOCAL_RANK``)."""
+    if device == "cuda" and distributed.get_world_size() > 1:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return "cuda:{}".format(local)
+    return device
+
+
+def _init_distributed(device: Optional[str]) -> bool:
+    """Join the process group torchrun describes in the environment; False when not launched so."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or distributed.is_distributed():
+        return False
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo")
+    return True
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(quiet: bool) -> Iterator[None]:
+    """Show the package's log records on stderr for one command; restore the logger after."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.WARNING if quiet or not distributed.is_main_process() else logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    logger.warning("%s: %s", category.__name__, message)
+
+
+COMMANDS = {"recompute": _recompute, "inspect": inspect.run, "convert": convert.run, "demo": _demo}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "inspect" and args.plot and not args.against:
+            parser.error("inspect: --plot draws the drift between two checkpoints and needs --against")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    joined = _init_distributed(getattr(args, "device", None)) if args.command == "recompute" else False
+    try:
+        with _logging_to_stderr(args.quiet), warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            COMMANDS[args.command](args)
+    except PreciseBNError as exc:
+        print("precise-bn: error: {}".format(exc), file=sys.stderr)
+        return 1
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
+    return 0

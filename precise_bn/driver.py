@@ -1,0 +1,297 @@
+"""The pass driver both backends share: budget, progress, rank rounds, the precision stop, the report.
+
+A backend knows how to run one batch and read its layers' statistics (:class:`Backend`); the
+driver decides how many batches to run and when to talk to the other ranks:
+
+* the budget: at most ``num_batches`` batches and ``num_samples`` samples (a batch is never
+  cut), or until the data ends;
+* rounds: with several ranks, every :data:`CHECK_EVERY` batches every rank reports its status
+  (:class:`~precise_bn.distributed.Ranks`), so a rank that failed is known within a few
+  batches; a rank whose data ended keeps answering rounds until every rank is done;
+* the precision stop (``rtol``): at those rounds (every :data:`CHECK_EVERY` batches on one
+  process), once ``min_batches`` batches were read in all, the statistics merged so far decide
+  whether every channel is precise enough (:func:`precise_enough`); every rank decides on the
+  same bits, so all stop after the same batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from .data import planned_batches
+from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
+from .errors import EmptyDataError, PreciseBNWarning
+from .estimator import PopulationStats
+from .options import Options
+from .report import BNReport, LayerReport
+from .signals import Relays
+
+logger = logging.getLogger("precise_bn")
+
+#: Batches between two rounds with the other ranks, and between two precision checks.
+CHECK_EVERY = 8
+
+Stats = Tuple[torch.Tensor, torch.Tensor]
+
+
+class Backend(Protocol):
+    """What the driver needs from a backend: the layers, running batches, reading statistics,
+    and writing results as the very last step of a call."""
+
+    estimator: str
+    names: List[str]
+    eps: List[float]
+    empty_reason: str
+
+    def old_stats(self) -> List[Stats]:
+        """Each layer's running mean and variance before the pass, float64 on the CPU."""
+
+    def attached(self) -> ContextManager[Any]:
+        """The model prepared for measuring; leaving the block restores it, however it is left."""
+
+    def running(self) -> ContextManager[Any]:
+        """The context the batches run in (no autograd, autocast, ...)."""
+
+    def step(self, batch: Any) -> int:
+        """Run one batch through the model; return how many samples it held."""
+
+    def collect(self) -> List[PopulationStats]:
+        """This process's statistics so far, one per layer, pending calls merged."""
+
+    def finish(self, results: Sequence[Optional[Stats]], value: Any, relays: Relays,
+               on_write: Optional[Callable[[], Any]]) -> Any:
+        """Write ``results`` as the call's last step (see :func:`~precise_bn.signals.write_last`)
+        and return ``value``."""
+
+
+@dataclass
+class Outcome:
+    """What a pass read: ``stats`` merged over ranks, counts summed over ranks."""
+
+    stats: List[PopulationStats]
+    batches: int
+    samples: int
+    stop: str
+    local_batches: int
+    local_samples: int
+
+
+def precise_enough(stats: Sequence[PopulationStats], rtol: float, unbiased: bool = False) -> bool:
+    """True when every channel of every layer that ran has ``mean_stderr <= rtol * std`` and
+    ``var_stderr <= rtol * var``. Channels of variance 0 (dead) are exact and never block; a
+    layer with fewer than two calls has no standard error yet and blocks."""
+    for s in stats:
+        if s.count == 0:
+            continue
+        var = s.m2 / s.count
+        mean_se, var_se = s.stderr(unbiased)
+        live = var > 0
+        if not bool((mean_se[live] <= rtol * var[live].sqrt()).all()):
+            return False
+        if not bool((var_se[live] <= rtol * var[live]).all()):
+            return False
+    return True
+
+
+class _Progress:
+    """A tqdm bar on stderr (when asked, or by default when stderr is a terminal) whose total
+    is what the pass will really read, and ``log_period`` lines when there is no bar."""
+
+    def __init__(self, opts: Options, planned: Optional[int], label: str):
+        self.label = label
+        show = opts.progress if opts.progress is not None else sys.stderr.isatty()
+        self.by_samples = opts.num_samples is not None and (planned is None or opts.num_batches is None)
+        self.bar: Any = None
+        self._redirect: ContextManager[Any] = contextlib.nullcontext()
+        if show:
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            total = opts.num_samples if self.by_samples else planned
+            self.bar = tqdm(total=total, desc=label, unit="sample" if self.by_samples else "batch",
+                            file=sys.stderr, dynamic_ncols=True)
+            self._redirect = logging_redirect_tqdm(loggers=[logger, logging.getLogger()])
+            self._redirect.__enter__()
+        self.log_period = None if show else opts.log_period
+        self.tick = time.perf_counter()
+
+    def update(self, batches: int, samples: int) -> None:
+        """After ``batches`` batches holding ``samples`` samples in all."""
+        if self.bar is not None:
+            self.bar.update(samples - self.bar.n if self.by_samples else 1)
+        elif self.log_period and batches % self.log_period == 0:
+            now = time.perf_counter()
+            logger.info("%s: batch %d, %.4f s/batch", self.label, batches, (now - self.tick) / self.log_period)
+            self.tick = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self._redirect.__exit__(None, None, None)
+            self.bar = None
+
+
+class _Rounds:
+    """The rounds of one pass: status with the other ranks, and the precision decision."""
+
+    def __init__(self, backend: Backend, ranks: Ranks, opts: Options):
+        self.backend, self.ranks, self.opts = backend, ranks, opts
+        self.merged: Optional[List[PopulationStats]] = None
+        self.totals = (0, 0)
+
+    @property
+    def needed(self) -> bool:
+        return self.ranks.world > 1 or self.opts.rtol is not None
+
+    def play(self, status: int, batches: int, samples: int) -> Tuple[bool, bool]:
+        """One round; returns (every rank is done, the statistics are precise enough)."""
+        headers = self.ranks.exchange(status, batches, samples)
+        self.totals = (sum(h.batches for h in headers), sum(h.samples for h in headers))
+        all_done = all(h.status == DONE for h in headers)
+        check = self.opts.rtol is not None and self.totals[0] >= self.opts.min_batches
+        if not (check or all_done):
+            return all_done, False
+        self.merged = self.ranks.gather_stats(self.backend.collect())
+        return all_done, check and precise_enough(self.merged, self.opts.rtol or 0.0, self.opts.unbiased)
+
+
+def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks,
+             planned: Optional[int], label: str = "precise-bn") -> Outcome:
+    """Run ``backend`` over ``batches`` within the budget of ``opts``; merge over ``ranks``."""
+    rounds = _Rounds(backend, ranks, opts)
+    progress = _Progress(opts, planned, label)
+    done = samples = 0
+    stop = "budget"
+    try:
+        with backend.running():
+            while (opts.num_batches is None or done < opts.num_batches) and (
+                    opts.num_samples is None or samples < opts.num_samples):
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    stop = "data"
+                    break
+                samples += backend.step(batch)
+                done += 1
+                progress.update(done, samples)
+                if rounds.needed and done % CHECK_EVERY == 0 and rounds.play(ACTIVE, done, samples)[1]:
+                    stop = "rtol"
+                    break
+    finally:
+        progress.close()
+    if ranks.world == 1:
+        return Outcome(backend.collect(), done, samples, stop, done, samples)
+    while stop != "rtol":
+        all_done, precise = rounds.play(DONE, done, samples)
+        if precise:
+            stop = "rtol"
+        elif all_done:
+            break
+    assert rounds.merged is not None
+    return Outcome(rounds.merged, rounds.totals[0], rounds.totals[1], stop, done, samples)
+
+
+def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") -> None:
+    """A :class:`PreciseBNWarning` when this rank's data ended before the budget it was given."""
+    if outcome.stop != "data":
+        return
+    if opts.num_samples is not None:
+        message = "the data ran out after {} samples ({} batches); num_samples={} was asked for".format(
+            outcome.local_samples, outcome.local_batches, opts.num_samples)
+    elif opts.num_batches is not None:
+        message = "the data ran out after {} batches; {}={} was asked for".format(
+            outcome.local_batches, what, opts.num_batches)
+    else:
+        return
+    warnings.warn(message, PreciseBNWarning, stacklevel=4)
+
+
+def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[Stats]]:
+    """Each layer's ``(mean, var)`` in float64, or None for a layer that never ran."""
+    return [s.finalize(unbiased) if s.count else None for s in stats]
+
+
+def build_report(
+    names: Sequence[str],
+    old: Sequence[Stats],
+    eps: Sequence[float],
+    outcome: Outcome,
+    results: Sequence[Optional[Stats]],
+    *,
+    estimator: str,
+    world_size: int,
+    opts: Options,
+    seconds: float,
+) -> BNReport:
+    """The :class:`BNReport` of a pass, with every layer's standard errors."""
+    report = BNReport(batches=outcome.batches, samples=outcome.samples, world_size=world_size,
+                      estimator=estimator, seconds=seconds, stop=outcome.stop, rtol=opts.rtol)
+    for name, (old_mean, old_var), layer_eps, s, result in zip(names, old, eps, outcome.stats, results):
+        mean_se, var_se = s.stderr(opts.unbiased) if result is not None else (None, None)
+        report.layers.append(LayerReport(
+            name=name, elements=s.count, calls=s.calls, old_mean=old_mean, old_var=old_var,
+            new_mean=None if result is None else result[0].cpu(),
+            new_var=None if result is None else result[1].cpu(),
+            mean_stderr=None if mean_se is None else mean_se.cpu(),
+            var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps)))
+    if report.unused:
+        warnings.warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
+            len(report.unused), ", ".join(report.unused)), PreciseBNWarning, stacklevel=4)
+    return report
+
+
+def recalibrate(
+    make_backend: Callable[[], Backend],
+    data: Iterable[Any],
+    opts: Options,
+    *,
+    budget_name: str = "num_batches",
+    on_write: Optional[Callable[[BNReport], Any]] = None,
+    label: str = "precise-bn",
+) -> BNReport:
+    """One recalibration, on any backend: build it, measure, report, write last.
+
+    ``on_write(report)`` runs right after the new statistics are written, inside the same
+    critical section (the step cache stores them there). With several ranks, any exception on
+    one rank, from building the backend (layer selection) to the report, makes every other
+    rank raise :class:`~precise_bn.DistributedError`; no rank writes unless all can.
+    """
+    started = time.perf_counter()
+    relays = Relays().install()
+    ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
+    try:
+        backend = make_backend()
+        ranks.exchange(ACTIVE, layout_=layout(backend.collect()))
+        if not backend.names:
+            logger.warning("%s: nothing to recompute: %s", label, backend.empty_reason)
+            ranks.finished = True
+            relays.release()
+            return BNReport(world_size=ranks.world, estimator=backend.estimator)
+        logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
+                    "" if len(backend.names) == 1 else "s", backend.estimator)
+        old = backend.old_stats()
+        with backend.attached():
+            outcome = run_pass(backend, iter(data), opts, ranks, planned_batches(data, opts.num_batches), label)
+            if outcome.batches == 0:
+                raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
+                    " on any rank" if ranks.world > 1 else ""))
+            warn_if_short(opts, outcome, budget_name)
+            results = finalize(outcome.stats, opts.unbiased)
+            report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
+                                  world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
+            logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
+                        report.samples, report.seconds, report.stop)
+            ranks.exchange(ACTIVE)
+            ranks.finished = True
+    except BaseException:
+        ranks.abort()
+        relays.release()
+        raise
+    return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))

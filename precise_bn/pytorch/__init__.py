@@ -1,0 +1,1 @@
+"""The PyTorch backend: which layers, how a call is captured, and the pass over a model."""

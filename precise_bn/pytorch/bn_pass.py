@@ -1,0 +1,183 @@
+"""One forward-only measurement pass over a PyTorch model: attach, measure, then restore or write.
+
+The guarantee: if the call that owns the pass raises, whatever the exception and wherever it
+is raised, the model is bit-identical to before (every buffer, class, momentum and train flag);
+the new statistics are written as the very last step. How:
+
+* every change to the model (attaching the captures, restoring, writing) runs inside a
+  :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
+* a failure anywhere else (a forward, the merge, the report, a warning turned into an error)
+  leads to :meth:`BNPass.restore`, which is idempotent;
+* :meth:`BNPass.finish` writes in one section and, if a signal arrived meanwhile or anything
+  is raised before it returns, puts the old statistics back before the exception leaves.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, TypeVar, Union
+
+import torch
+from torch import nn
+
+from ..data import count_samples, describe, move_to_device, recognised
+from ..errors import BatchError
+from ..estimator import PopulationStats
+from ..options import ForwardFn
+from ..signals import Relays, critical, write_last
+from .capture import CallCapture, Scratch, flush
+from .layers import NamedLayer, no_layer_message
+
+Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
+T = TypeVar("T")
+
+
+class BNPass:
+    """Measures ``layers`` of ``model`` while open (``with BNPass(...) as p:``).
+
+    On enter it snapshots every buffer of the model and attaches a
+    :class:`~precise_bn.pytorch.capture.CallCapture` to each chosen layer; leaving the block
+    restores everything, however it is left. :meth:`finish`, called after the block, writes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[NamedLayer],
+        forward: ForwardFn,
+        *,
+        exact: bool = False,
+        device: Optional[torch.device] = None,
+        autocast: Union[None, bool, torch.dtype] = None,
+        explain_batches: bool = False,
+    ):
+        self.model = model
+        self.layers = list(layers)
+        self.forward = forward
+        self.device = device
+        self.autocast = autocast
+        self.explain_batches = explain_batches
+        self.estimator = "exact" if exact else "kernel"
+        self.names = [name for name, _ in self.layers]
+        self.eps = [float(m.eps) for _, m in self.layers]
+        scratch = Scratch()
+        self.captures = [
+            CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device), exact, scratch)
+            for n, m in self.layers
+        ]
+        self._attached: List[Tuple[CallCapture, nn.Module]] = []
+        self._saved: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._finished = False
+
+    @property
+    def empty_reason(self) -> str:
+        return no_layer_message(self.model)
+
+    def attached(self) -> "BNPass":
+        """``with bn_pass.attached():`` measures inside the block (the object is its own context)."""
+        return self
+
+    def __enter__(self) -> "BNPass":
+        try:
+            with critical(), torch.no_grad():
+                self._saved = [
+                    (module, key, buf, buf.detach().clone())
+                    for module in self.model.modules()
+                    for key, buf in module._buffers.items()
+                    if buf is not None
+                ]
+                for capture, (_, module) in zip(self.captures, self.layers):
+                    self._attached.append((capture, module))
+                    capture.attach(module)
+        except BaseException:
+            self.restore()
+            raise
+        return self
+
+    def running(self) -> ContextManager[Any]:
+        """No autograd, and ``torch.autocast`` on the model's device when asked."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        if self.autocast:
+            tensor = next(iter(self.model.parameters()), None)
+            if tensor is None:
+                tensor = next(iter(self.model.buffers()))
+            kwargs = {} if self.autocast is True else {"dtype": self.autocast}
+            stack.enter_context(torch.autocast(device_type=tensor.device.type, **kwargs))
+        return stack
+
+    def step(self, batch: Any) -> int:
+        """Run one batch; an unrecognised batch that the model refuses becomes a BatchError."""
+        try:
+            self.forward(self.model, move_to_device(batch, self.device))
+        except Exception as exc:
+            if self.explain_batches and not recognised(batch):
+                raise BatchError(
+                    "the model could not take a batch it was given whole ({}: {}); the batch is {}. "
+                    "Batches are handed over as: a tensor -> model(batch); (input, target, ...) -> "
+                    "model(batch[0]); {{'input': x, ...}} -> model(x); anything else -> model(batch). "
+                    "Say which part is the input with forward_fn=lambda model, batch: model(batch[KEY]) "
+                    "(command line: --input-key KEY or --forward-fn package.module:callable)".format(
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", describe(batch))
+                ) from exc
+            raise
+        return count_samples(batch)
+
+    def collect(self) -> List[PopulationStats]:
+        """Every layer's stats, with the calls still pending in the capture blocks merged."""
+        return flush(self.captures)
+
+    def old_stats(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's running stats before the pass, float64 on the CPU."""
+        return [(m.running_mean.double().cpu(), m.running_var.double().cpu()) for _, m in self.layers]
+
+    def restore(self) -> None:
+        """Put the model back exactly as it was (idempotent)."""
+        with critical(), torch.no_grad():
+            while self._attached:
+                capture, module = self._attached[-1]
+                capture.detach(module)
+                self._attached.pop()
+            self._restore_buffers()
+
+    def _restore_buffers(self) -> None:
+        # Some torch versions rebind a buffer (``num_batches_tracked = num_batches_tracked + 1``):
+        # put the original tensor object back, so references held elsewhere stay valid.
+        for module, key, buf, saved in self._saved:
+            module._buffers[key] = buf
+            buf.copy_(saved)
+
+    def finish(
+        self,
+        results: Sequence[Result],
+        value: T,
+        relays: Optional[Relays] = None,
+        on_write: Optional[Callable[[], Any]] = None,
+    ) -> T:
+        """Write ``results`` (``(mean, var)`` per layer, None to keep a layer's old stats) in
+        place with ``copy_``, so references held elsewhere see them; then ``on_write()``.
+        Returns ``value``, so that a caller can make this its last statement.
+
+        Done by :func:`~precise_bn.signals.write_last`: a signal meanwhile, or anything raised
+        before this returns, puts the old statistics back before the exception leaves.
+        """
+
+        def write() -> None:
+            with torch.no_grad():
+                self.restore()
+                for (_, module), result in zip(self.layers, results):
+                    if result is not None:
+                        module.running_mean.copy_(result[0])
+                        module.running_var.copy_(result[1])
+                if on_write is not None:
+                    on_write()
+            self._finished = True
+
+        def undo() -> None:
+            with torch.no_grad():
+                self._restore_buffers()
+
+        return write_last(write, undo, relays, value)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self._finished:
+            self.restore()

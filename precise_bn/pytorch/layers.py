@@ -1,0 +1,117 @@
+"""Which BatchNorm layers of a PyTorch model a pass recomputes, and the module it runs on."""
+from __future__ import annotations
+
+import logging
+from typing import List, Tuple
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..errors import ConfigError, LayerError
+from ..options import LayerSpec
+
+logger = logging.getLogger("precise_bn")
+
+NamedLayer = Tuple[str, _BatchNorm]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module a pass runs on, so that layer names are the user's and no forward costs more
+    than it must: DDP's inner module (no per-forward collective) and a ``torch.compile``
+    wrapper's original module (run eagerly, so the pass triggers no recompilation).
+
+    ``nn.DataParallel`` is kept: its replicas are what spreads the batch over GPUs, and the
+    capture travels into them with each layer's class and ``__dict__``.
+    """
+    while True:
+        ddp = getattr(nn.parallel, "DistributedDataParallel", None)
+        if ddp is not None and isinstance(model, ddp):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_tracking_bn(module: nn.Module) -> bool:
+    return isinstance(module, _BatchNorm) and module.track_running_stats
+
+
+def get_bn_modules(model: nn.Module) -> List[nn.Module]:
+    """BN layers in training mode that track running stats (fvcore's function of the same name)."""
+    return [m for m in model.modules() if is_tracking_bn(m) and m.training]
+
+
+def _check(name: str, module: _BatchNorm) -> None:
+    uninitialized = getattr(nn.parameter, "UninitializedBuffer", ())
+    if uninitialized and isinstance(module.running_mean, uninitialized):
+        raise LayerError(
+            "BatchNorm layer {!r} is lazy and not materialised yet: run one forward pass "
+            "before recomputing its statistics".format(name or type(module).__name__)
+        )
+    if "forward" in module.__dict__:
+        raise LayerError(
+            "BatchNorm layer {!r} has a forward set on the instance ({!r}), which hides the "
+            "layer's calls from precise-bn: delete it (del layer.forward) for the recalibration, "
+            "or leave the layer out with layers=[...]".format(name or type(module).__name__, module.__dict__["forward"])
+        )
+
+
+def _by_spec(model: nn.Module, layers: LayerSpec) -> List[NamedLayer]:
+    by_name = dict(model.named_modules())
+    ids = {id(m): n for n, m in model.named_modules()}
+    chosen: List[NamedLayer] = []
+    for item in layers or ():
+        if isinstance(item, str):
+            if item not in by_name:
+                raise ConfigError("layers: no module named {!r} in the model".format(item))
+            name, module = item, by_name[item]
+        else:
+            if id(item) not in ids:
+                raise ConfigError("layers: {!r} is not a submodule of the model".format(item))
+            name, module = ids[id(item)], item
+        if not is_tracking_bn(module):
+            raise ConfigError("layers: {!r} ({}) is not a BatchNorm layer that tracks running stats".format(
+                name, type(module).__name__))
+        if all(module is not other for _, other in chosen):
+            chosen.append((name, module))  # type: ignore[arg-type]
+    return chosen
+
+
+def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer]:
+    """Choose the layers to recalibrate, as ``(qualified name, module)`` pairs.
+
+    ``layers=None``: those in training mode; if the whole model is in eval mode, all of them
+    (logged, never a silent no-op). ``"all"``: every tracking BN layer. A sequence of modules or
+    qualified names: exactly those. Layers with ``track_running_stats=False`` and frozen BN
+    (not a ``_BatchNorm``) are never selected; a layer listed twice is taken once. Raises
+    :class:`LayerError` for a lazy layer not yet materialised, or one whose ``forward`` was
+    replaced on the instance.
+    """
+    named = [(name, m) for name, m in model.named_modules() if is_tracking_bn(m)]
+    if layers is None:
+        chosen = [(n, m) for n, m in named if m.training]
+        if not chosen and named and not model.training:
+            logger.info("model is in eval mode: recomputing all %d BatchNorm layers", len(named))
+            chosen = named
+    elif isinstance(layers, str):
+        if layers != "all":
+            raise ConfigError("layers must be None, 'all' or a list of modules/names, got {!r}".format(layers))
+        chosen = named
+    else:
+        chosen = _by_spec(model, layers)
+    for name, module in chosen:
+        _check(name, module)
+    return chosen  # type: ignore[return-value]
+
+
+def no_layer_message(model: nn.Module) -> str:
+    """Why a model has nothing to recompute, in words that fit the case."""
+    bn = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    if not bn:
+        return "{} has no BatchNorm layer".format(type(model).__name__)
+    if not any(m.track_running_stats for m in bn):
+        return "none of the {} BatchNorm layers of {} tracks running stats (track_running_stats=False)".format(
+            len(bn), type(model).__name__)
+    return "no BatchNorm layer of {} is in training mode while the model is (pass layers='all' to " \
+           "recompute them anyway)".format(type(model).__name__)
