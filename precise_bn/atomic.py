@@ -1,43 +1,146 @@
-"""Atomic file replacement: a crash mid-write leaves the old file, never a torn one."""
+"""Atomic file replacement: a crash mid-write leaves the old file, never a torn one.
+
+The new content goes to a temporary file next to the target, which is then renamed over it.
+What else a replacement must keep, and why:
+
+* a symbolic link stays a link: the file it points to is replaced (Lightning's ``last.ckpt``
+  is often a link to the newest checkpoint, which is the file that must change);
+* the replaced file's mode and owner: a rename gives the path a new inode, created with the
+  writer's identity, so root rewriting a user's 0640 checkpoint would otherwise take it from
+  that user. Root gives it back (``chown``); anyone else keeps the group where they may;
+* cleanup on every failure: the temporary file is removed whatever is raised, and inside
+  :func:`atomic_write` a SIGTERM or SIGHUP left at its default action (which would kill the
+  process on the spot) raises :class:`Terminated` instead, so the cleanup runs then too;
+* a recognisable name, ``.NAME.precise-bn-XXXXXXXX.tmp``, cut to fit the file system's name
+  limit: ``kill -9`` cannot be caught, and :func:`stale_temporaries` finds what it left.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import stat
 import tempfile
-from typing import BinaryIO, Callable, Union
+import threading
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+#: Marks our temporary files: ``.NAME`` + TAG + random characters + SUFFIX.
+TAG = ".precise-bn-"
+SUFFIX = ".tmp"
+_RANDOM = 8  # characters tempfile adds to a name
 
-def _mode_for(path: str) -> int:
-    """The replaced file's permissions, or for a new file what ``open()`` would give it
-    (``mkstemp`` creates its file private, 0600)."""
-    if os.path.exists(path):
-        return os.stat(path).st_mode & 0o7777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP arrived where :func:`exit_on_terminate` was in force; the exit code is
+    128 + the signal number, as a shell reports a process the signal ended."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(128 + signum)
+
+
+@contextlib.contextmanager
+def exit_on_terminate() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP raise :class:`Terminated` (so ``finally`` blocks
+    and cleanup run) where they would otherwise end the process at once. Only signals left at
+    their default action are changed, and only in the main thread (the only one that runs
+    signal handlers)."""
+    installed: Dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            signum = getattr(signal, name, None)
+            if signum is not None and signal.getsignal(signum) == signal.SIG_DFL:
+                installed[signum] = signal.signal(signum, _terminate)
+    try:
+        yield
+    finally:
+        for signum, previous in installed.items():
+            signal.signal(signum, previous)
+
+
+def name_max(folder: str) -> int:
+    """The longest file name, in bytes, the file system under ``folder`` accepts."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+def _temp_prefix(path: str) -> str:
+    """``.NAME.precise-bn-`` with NAME cut (in bytes) so that the whole temporary name fits."""
+    room = name_max(os.path.dirname(path)) - (1 + len(TAG) + _RANDOM + len(SUFFIX))
+    base = os.fsencode(os.path.basename(path))[: max(room, 1)]
+    return "." + os.fsdecode(base) + TAG
+
+
+def stale_temporaries(path: PathLike) -> List[str]:
+    """Temporary files of ours for ``path`` that are still there: left by a write that was
+    killed outright (or one still running in another process)."""
+    path = os.path.realpath(os.fspath(path))
+    folder, prefix = os.path.dirname(path), _temp_prefix(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(os.path.join(folder, n) for n in names
+                  if n.startswith(prefix) and n.endswith(SUFFIX) and len(n) == len(prefix) + _RANDOM + len(SUFFIX))
+
+
+def probe(path: PathLike) -> None:
+    """Create and remove the temporary file :func:`atomic_write` would use for ``path``; raises
+    the ``OSError`` a write would meet (read-only folder or file system, name too long, ...)."""
+    path = os.path.realpath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=SUFFIX, dir=os.path.dirname(path))
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def _keep_mode_and_owner(path: str, tmp: str) -> None:
+    """Give ``tmp`` the permissions and owner of the file it replaces, or for a new file the
+    permissions ``open()`` would give (``mkstemp`` creates its file private, 0600)."""
+    try:
+        old = os.stat(path)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        return
+    new = os.stat(tmp)
+    if (old.st_uid, old.st_gid) != (new.st_uid, new.st_gid):
+        root = os.geteuid() == 0
+        try:
+            os.chown(tmp, old.st_uid if root else -1, old.st_gid)
+        except PermissionError:
+            if root:
+                raise
+    os.chmod(tmp, stat.S_IMODE(old.st_mode))  # after chown, which may clear set-id bits
 
 
 def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through ``write(fileobj)`` into a temporary file in the same folder,
     fsync it, then rename it over ``path`` (atomic on POSIX) and fsync the folder.
 
-    The temporary file is removed if ``write`` fails, whatever the exception.
+    A symbolic link is written through (its target is replaced, the link stays); the replaced
+    file's mode and owner are kept. The temporary file is removed if anything is raised, a
+    SIGTERM included (see the module docstring).
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _mode_for(path))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    path = os.path.realpath(os.fspath(path))
+    folder = os.path.dirname(path)
+    with exit_on_terminate():
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=SUFFIX, dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _keep_mode_and_owner(path, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -1,18 +1,21 @@
 """A plain training loop that recomputes precise BN stats before every evaluation and checkpoint.
 
-    python scripts/train_with_precise_bn.py [--steps 200] [--out runs/digits]
+    python scripts/train_with_precise_bn.py [--steps 200] [--out DIR]
 
 Trains the demo's small CNN on scikit-learn's built-in 8x8 digits (no download, under a minute
 on a CPU). Every --eval-every steps it evaluates with the running stats that training left,
 then with precise stats; an EMA copy of the weights, whose BN buffers are never trained, gets its
-stats from the same batches. Every --save-every steps it writes a checkpoint; at a step that
-also evaluated, the hook writes back the evaluation's stats without another forward.
+stats from the same batches. Every --save-every steps it writes a checkpoint (into --out, or a
+temporary folder removed at the end); at a step that also evaluated, the hook writes back the
+evaluation's stats without another forward.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
+import tempfile
 
 import torch
 from torch import nn
@@ -38,9 +41,15 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--bn-batches", type=int, default=20, help="batches per recomputation")
-    parser.add_argument("--out", default=os.path.join("runs", "digits"))
+    parser.add_argument("--out", help="keep the checkpoints in this folder (default: a temporary one)")
     args = parser.parse_args()
+    with (contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory()) as out:
+        os.makedirs(out, exist_ok=True)
+        train(args, out)
 
+
+def train(args: argparse.Namespace, out: str) -> None:
+    """The training loop, writing its checkpoints into ``out``."""
     torch.manual_seed(0)
     train_x, train_y, test_x, test_y = load_digits_splits()
     train_loader = DataLoader(TensorDataset(train_x, train_y), batch_size=16, shuffle=True)
@@ -48,7 +57,6 @@ def main() -> None:
     ema = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     hook = PreciseBNHook(model, train_loader, num_batches=args.bn_batches, extra_models=[ema])
-    os.makedirs(args.out, exist_ok=True)
 
     step = 0
     while step < args.steps:
@@ -72,7 +80,7 @@ def main() -> None:
             if step % args.save_every == 0:
                 recomputations = hook.recomputations
                 hook.before_checkpoint(step)
-                path = os.path.join(args.out, "step_{}.pt".format(step))
+                path = os.path.join(out, "step_{}.pt".format(step))
                 state = {"model": model.state_dict(), "ema": ema.state_dict(), "step": step}
                 atomic_write(path, lambda f: torch.save(state, f))
                 reused = hook.recomputations == recomputations

@@ -1,7 +1,8 @@
 """Model and data factories that the command-line tests name in ``--model`` / ``--data`` specs."""
 from __future__ import annotations
 
-from typing import List, Tuple
+import os
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -67,3 +68,78 @@ def fixed_batches() -> List[Tuple[torch.Tensor, torch.Tensor]]:
 
 # Caffe2 layer names of a non-zoo net -> Caffe2StyleNet's module names, for --caffe2-rules.
 STEM_RULES = [(r"stem", "conv1"), (r"stem_bn", "bn1"), (r"head", "fc")]
+
+
+# Counts the batches counted_batches handed out, so that a test can tell a refusal came before the pass.
+READ = {"batches": 0}
+
+
+def counted_batches() -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`batches`, counted in ``READ``."""
+    for batch in batches():
+        READ["batches"] += 1
+        yield batch
+
+
+def dict_batches() -> List[Dict[str, torch.Tensor]]:
+    """:func:`batches` as ``{"image": x, "label": y}`` dicts, a layout the default convention does not know."""
+    return [{"image": x, "label": y} for x, y in batches()]
+
+
+def image_forward(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """A ``--forward-fn`` for :func:`dict_batches`."""
+    return model(batch["image"])
+
+
+def broken_batches() -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Two good batches, then the data source fails."""
+    for i, batch in enumerate(batches()):
+        if i == 2:
+            raise OSError(5, "Input/output error reading shard 2")
+        yield batch
+
+
+def interrupted_batches() -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Ctrl-C while the second batch is read."""
+    for i, batch in enumerate(batches()):
+        if i == 1:
+            raise KeyboardInterrupt
+        yield batch
+
+
+def broken_factory() -> nn.Module:
+    raise RuntimeError("weights server unreachable")
+
+
+class OneSampleHead(nn.Module):
+    """small_net's layers, whose own forward hands its BatchNorm1d a single sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = small_net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body[:9](x)
+        return self.body[9](features[:1])
+
+
+def one_sample_head() -> nn.Module:
+    return OneSampleHead()
+
+
+def fails_on_rank_1() -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`batches`, except on rank 1 of a torchrun job, whose data source cannot be opened."""
+    if os.environ.get("RANK") == "1":
+        raise FileNotFoundError(2, "No such file or directory", "/data/shard-1")
+    return batches()
+
+
+def terminated_batches() -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """SIGTERM while the second batch is read; refuses to send it where it would kill the process."""
+    import signal
+
+    for i, batch in enumerate(batches()):
+        if i == 1:
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), "SIGTERM would kill the tests"
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield batch

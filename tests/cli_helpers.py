@@ -1,15 +1,13 @@
-"""Running ``python -m precise_bn`` on files a test wrote, and comparing checkpoints bit for bit."""
+"""Running the ``precise-bn`` command in-process on files a test wrote, and comparing checkpoints bit for bit."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Iterable, List, Mapping, NamedTuple, Sequence, Set, Tuple
 
 import torch
 
 from precise_bn.checkpoint.formats import SAFE_LOAD_AVAILABLE
+from precise_bn.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -21,17 +19,20 @@ TRUST: List[str] = [] if SAFE_LOAD_AVAILABLE else ["--trust-checkpoint"]
 Path_ = Tuple[Any, ...]
 
 
-def run_cli(*args: str, timeout: float = 180, extra_env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
-    """``python -m precise_bn ARGS`` with the test factories importable; output captured."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    # Tiny tensors: one thread each, so parallel test processes do not oversubscribe the cores.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra_env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "precise_bn"] + [str(a) for a in args],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=str(TESTS),
-    )
+class Result(NamedTuple):
+    """What a command run gave: its exit status and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(capsys: Any, *args: Any) -> Result:
+    """``precise-bn ARGS`` in this process (``main``), its output taken from ``capsys``."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return Result(code, out, err)
 
 
 def load(path: Any, trusted: bool = False) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -71,7 +72,7 @@ def outcome(model: nn.Module, report=None) -> Result:
         "buffers": {
             name: (m.running_mean.detach().clone(), m.running_var.detach().clone())
             for name, m in model.named_modules()
-            if isinstance(m, _BatchNorm)
+            if isinstance(m, _BatchNorm) and not isinstance(m.running_mean, nn.parameter.UninitializedBuffer)
         }
     }
     if report is not None:
@@ -86,11 +87,12 @@ def outcome(model: nn.Module, report=None) -> Result:
 
 
 def raised(model: nn.Module, run: Callable[[], Any]) -> Result:
-    """Call ``run``; report the error it raised and whether the BN buffers kept their bits."""
+    """Call ``run``; report the error it raised (KeyboardInterrupt included) and whether the BN
+    buffers kept their bits."""
     before = outcome(model)["buffers"]
     try:
         run()
-    except Exception as exc:
+    except BaseException as exc:
         after = outcome(model)["buffers"]
         unchanged = all(torch.equal(before[k][i], after[k][i]) for k in before for i in (0, 1))
         return {"error": type(exc).__name__, "message": str(exc), "unchanged": unchanged}
@@ -181,6 +183,44 @@ def _failure(rank: int, world: int) -> Result:
     return raised(model, lambda: recompute(model, loader))
 
 
+class _InterruptingLoader(_FailingLoader):
+    """Ctrl-C on one rank, in the middle of its data."""
+
+    def __iter__(self):
+        for batch in self.batches[: self.good]:
+            yield batch
+        raise KeyboardInterrupt
+
+
+def _interrupt(rank: int, world: int) -> Result:
+    """Rank 1 is interrupted after one batch; the others have more to read."""
+    model = make_model()
+    batches = rank_batches(UNEVEN, rank) * 4
+    loader = _InterruptingLoader(batches, good=1) if rank == 1 else batches
+    return raised(model, lambda: recompute(model, loader, timeout=LONG_TIMEOUT))
+
+
+def _lazy_layer(rank: int, world: int) -> Result:
+    """Rank 1's model has a lazy BN layer never run: layer selection fails before any round."""
+    model = make_model()
+    if rank == 1:
+        model.add_module("lazy", nn.LazyBatchNorm1d())
+    return raised(model, lambda: recompute(model, rank_batches(UNEVEN, rank), timeout=LONG_TIMEOUT))
+
+
+def _warning_as_error(rank: int, world: int) -> Result:
+    """Only rank 0 turns warnings into errors, and only its data ends before the budget: it
+    fails after the merge, at its short-data warning; no rank may write."""
+    model = make_model()
+    batches = rank_batches(UNEVEN, rank) if rank == 0 else rank_batches(UNEVEN, rank) * 9
+    with warnings.catch_warnings():
+        if rank == 0:
+            warnings.simplefilter("error")
+        else:
+            warnings.simplefilter("ignore")
+        return raised(model, lambda: recompute(model, batches, num_batches=4, timeout=LONG_TIMEOUT))
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "kernel": _plain,
     "exact": lambda rank, world: _plain(rank, world, exact=True),
@@ -194,9 +234,16 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "syncbn": _syncbn,
     "subgroup": _subgroup,
     "layout_mismatch": _layout_mismatch,
-    # Last: if a rank's failure were not propagated, the others would wait here forever.
+    # Last: if a rank's failure were not propagated, the others would wait until the timeout.
     "failure": _failure,
+    "interrupt": _interrupt,
+    "lazy_layer": _lazy_layer,
+    "warning_as_error": _warning_as_error,
 }
+
+# Far above how long any scenario takes: an error message that names this wait would mean the
+# failure reached the other ranks by timing out, not by being told.
+LONG_TIMEOUT = 120.0
 
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -212,7 +259,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     for name, scenario in SCENARIOS.items():
         try:
             results[name] = scenario(rank, world)
-        except Exception as exc:
+        except BaseException as exc:
             results[name] = {"error": type(exc).__name__, "message": str(exc)}
         torch.save(results, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -245,3 +292,37 @@ def spawn_ranks(world: int, tmp_dir: str, timeout: float) -> List[Result]:
         results.append(torch.load(path) if os.path.exists(path) else {})
     results[0]["_finished"] = finished
     return results
+
+
+class _DyingLoader(_FailingLoader):
+    """The process dies in the middle of its data, as under ``kill -9``."""
+
+    def __iter__(self):
+        for batch in self.batches[: self.good]:
+            yield batch
+        os._exit(3)
+
+
+def _killed_rank(rank: int, world: int, init_file: str, out_dir: str, timeout: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    model = make_model()
+    batches = rank_batches(UNEVEN, rank) * 20
+    loader = _DyingLoader(batches, good=1) if rank == 1 else batches
+    result = raised(model, lambda: recompute(model, loader, timeout=timeout))
+    torch.save(result, os.path.join(out_dir, "killed{}.pt".format(rank)))
+    os._exit(0)
+
+
+def spawn_killed(tmp_dir: str, timeout: float, spawn_timeout: float) -> List[Result]:
+    """Two ranks, rank 1 dies mid-pass; returns what rank 0 (and nothing of rank 1) reported."""
+    context = mp.spawn(_killed_rank, args=(2, os.path.join(tmp_dir, "store"), tmp_dir, timeout), nprocs=2,
+                       join=False)
+    deadline = time.monotonic() + spawn_timeout
+    for process in context.processes:
+        process.join(max(0.1, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    path = os.path.join(tmp_dir, "killed0.pt")
+    return [torch.load(path) if os.path.exists(path) else {"error": "rank 0 never finished"}]

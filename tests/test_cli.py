@@ -1,8 +1,12 @@
-"""The ``precise-bn`` command: model and data specs, torchvision image and video models, Lightning,
-Caffe2 pickles, ``inspect``, ``convert``, usage errors and the standalone script."""
+"""The ``precise-bn`` command: model specs, torchvision image and video models, Lightning, Caffe2
+pickles, ``inspect``, ``convert``, usage errors, the standalone script and the console script.
+
+Every test runs the command in-process (``main``); only the console-script test starts one."""
 from __future__ import annotations
 
 import json
+import os
+import runpy
 import subprocess
 import sys
 import types
@@ -11,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from cli_factories import Caffe2StyleNet, batches, small_net
-from cli_helpers import REPO, TRUST, assert_same_except, bn_paths, load, run_cli, without
+from cli_factories import batches, small_net
+from cli_helpers import REPO, TESTS, TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn.checkpoint.state import bn_layers
 from precise_bn.cli import main
-from precise_bn.cli.inspect import plot_drift
+from precise_bn.cli.data_specs import resolve_data
+from precise_bn.cli.inspect import drift_figure, plot_drift
+from precise_bn.cli.specs import resolve_model
 from precise_bn.errors import BackendUnavailableError, ConfigError
-from precise_bn.report import LayerReport
-from precise_bn.cli.specs import resolve_data, resolve_model
+from precise_bn.report import DEFINITIONS, LayerReport
 from reference import assert_close_default, float64_reference
 
 
@@ -31,7 +36,7 @@ def _check_against_reference(state, prefix, net, data):
 
 
 @pytest.mark.main_env
-def test_torchvision_resnet18_end_to_end(tmp_path):
+def test_torchvision_resnet18_end_to_end(tmp_path, capsys):
     import torchvision
 
     torch.manual_seed(0)
@@ -43,7 +48,7 @@ def test_torchvision_resnet18_end_to_end(tmp_path):
     np.savez(str(tmp_path / "images.npz"), x=images)
     spec = "npz:{}".format(tmp_path / "images.npz")
     result = run_cli(
-        "recompute", path, "--model", "torchvision:resnet18", "--data", spec,
+        capsys, "recompute", path, "--model", "torchvision:resnet18", "--data", spec,
         "--batch-size", "4", "--num-iters", "2", "--output", out, *TRUST,
     )
     assert result.returncode == 0, result.stderr
@@ -56,7 +61,7 @@ def test_torchvision_resnet18_end_to_end(tmp_path):
 
 
 @pytest.mark.main_env
-def test_torchvision_video_model_on_clips(tmp_path):
+def test_torchvision_video_model_on_clips(tmp_path, capsys):
     import torchvision
     from safetensors.torch import load_file, save_file
 
@@ -68,7 +73,7 @@ def test_torchvision_video_model_on_clips(tmp_path):
     np.save(str(tmp_path / "clips.npy"), clips)
     spec = "npz:{}".format(tmp_path / "clips.npy")
     result = run_cli(
-        "recompute", path, "--model", "torchvision:mc3_18", "--data", spec,
+        capsys, "recompute", path, "--model", "torchvision:mc3_18", "--data", spec,
         "--batch-size", "2", "--num-iters", "2", "--output", out, "--report", tmp_path / "r.json", *TRUST,
     )
     assert result.returncode == 0, result.stderr
@@ -81,37 +86,7 @@ def test_torchvision_video_model_on_clips(tmp_path):
 
 
 @pytest.mark.main_env
-def test_imagefolder_with_training_transforms(tmp_path):
-    from PIL import Image
-
-    rng = np.random.default_rng(2)
-    for label in ("cat", "dog"):
-        (tmp_path / "train" / label).mkdir(parents=True)
-        for i in range(3):
-            pixels = rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(str(tmp_path / "train" / label / "{}.png".format(i)))
-    torch.manual_seed(0)
-    net = small_net()
-    root = {"model": net.state_dict(), "classes": ["cat", "dog"]}
-    path, out = tmp_path / "c.pt", tmp_path / "out.pt"
-    torch.save(root, str(path))
-    result = run_cli(
-        "recompute", path, "--model", "cli_factories:small_net", "--data", "imagefolder:{}".format(tmp_path / "train"),
-        "--data-kwargs", '{"size": 8}', "--batch-size", "4", "--output", out, "--report", tmp_path / "r.json", *TRUST,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["samples"] == 6 and report["batches"] == 2
-    elements = {layer["name"]: layer["elements"] for layer in report["layers"]}
-    assert elements == {"1": 6 * 8 * 8, "4": 6 * 3 * 3, "9": 6}
-    written = load(out)
-    assert_same_except(root, without(written, "precise_bn"), bn_paths(("model",), "", ("1", "4", "9")))
-    # Normalised pixels: the recomputed means sit near the conv of ~N(0, 1) inputs, not at the old 0.
-    assert not torch.equal(written["model"]["1.running_mean"], root["model"]["1.running_mean"])
-
-
-@pytest.mark.main_env
-def test_lightning_checkpoint_reloads_with_users_code(tmp_path):
+def test_lightning_checkpoint_reloads_with_users_code(tmp_path, capsys):
     import lightning as L
 
     class Classifier(L.LightningModule):
@@ -140,7 +115,7 @@ def test_lightning_checkpoint_reloads_with_users_code(tmp_path):
     path, out = tmp_path / "last.ckpt", tmp_path / "last.precise.ckpt"
     trainer.save_checkpoint(str(path))
     original = load(path)
-    result = run_cli("recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:batches", "--output", out)
+    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:batches", "--output", out)
     assert result.returncode == 0, result.stderr
     assert "prefix 'model.'" in result.stderr
     written = load(out)
@@ -152,97 +127,6 @@ def test_lightning_checkpoint_reloads_with_users_code(tmp_path):
     net = small_net()
     net.load_state_dict({k[len("model."):]: v for k, v in original["state_dict"].items() if k.startswith("model.")})
     _check_against_reference({k: v for k, v in reloaded.model.state_dict().items()}, "", net, batches())
-
-
-def _caffe2_blobs(net: Caffe2StyleNet):
-    sd = net.state_dict()
-    return {
-        "conv1_w": sd["conv1.weight"].numpy(),
-        "res_conv1_bn_s": sd["bn1.weight"].numpy(),
-        "res_conv1_bn_b": sd["bn1.bias"].numpy(),
-        "res_conv1_bn_rm": sd["bn1.running_mean"].numpy(),
-        "res_conv1_bn_riv": sd["bn1.running_var"].numpy(),
-        "pred_w": sd["fc.weight"].numpy(),
-        "pred_b": sd["fc.bias"].numpy(),
-        "conv1_w_momentum": np.full((4, 3, 3, 3), 0.125, dtype=np.float32),
-        "lr": np.array([0.1], dtype=np.float32),
-    }
-
-
-def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path):
-    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
-
-    torch.manual_seed(0)
-    net = Caffe2StyleNet()
-    with torch.no_grad():
-        net(batches(n=1, seed=9)[0][0])
-    blobs = _caffe2_blobs(net)
-    path, out = tmp_path / "model_final.pkl", tmp_path / "model_final.precise.pkl"
-    save_caffe2_pickle(blobs, str(path))
-    result = run_cli(
-        "recompute", path, "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches", "--output", out,
-    )
-    assert result.returncode == 0, result.stderr
-    written = load_caffe2_pickle(str(out))
-    assert sorted(written) == sorted(blobs)
-    for name, value in blobs.items():
-        if name not in ("res_conv1_bn_rm", "res_conv1_bn_riv"):
-            assert written[name].dtype == value.dtype and written[name].tobytes() == value.tobytes(), name
-    state = {"bn1.running_mean": torch.from_numpy(written["res_conv1_bn_rm"]), "bn1.running_var": torch.from_numpy(written["res_conv1_bn_riv"])}
-    _check_against_reference(state, "", net, batches())
-
-
-def test_caffe2_pickle_with_custom_name_rules(tmp_path):
-    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
-
-    torch.manual_seed(0)
-    net = Caffe2StyleNet()
-    renamed = {"conv1": "stem", "res_conv1_bn": "stem_bn", "pred": "head"}
-    blobs = {}
-    for name, value in _caffe2_blobs(net).items():
-        for old, new in renamed.items():
-            if name.startswith(old + "_"):
-                name = new + name[len(old):]
-                break
-        blobs[name] = value
-    path, out = tmp_path / "stem.pkl", tmp_path / "stem.precise.pkl"
-    save_caffe2_pickle(blobs, str(path))
-    args = ["recompute", str(path), "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches",
-            "--output", str(out), "-q"]
-    assert main(args) == 1
-    assert main(args + ["--caffe2-rules", "cli_factories:STEM_RULES"]) == 0
-    written = load_caffe2_pickle(str(out))
-    assert sorted(written) == sorted(blobs) and written["stem_w_momentum"].tobytes() == blobs["stem_w_momentum"].tobytes()
-    state = {"bn1.running_mean": torch.from_numpy(written["stem_bn_rm"]), "bn1.running_var": torch.from_numpy(written["stem_bn_riv"])}
-    _check_against_reference(state, "", net, batches())
-
-
-def test_convert_caffe2_torch_safetensors_round_trip(tmp_path):
-    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
-    from safetensors.torch import load_file
-
-    torch.manual_seed(0)
-    blobs = _caffe2_blobs(Caffe2StyleNet())
-    save_caffe2_pickle(blobs, str(tmp_path / "in.pkl"))
-    assert main(["convert", str(tmp_path / "in.pkl"), str(tmp_path / "a.pt"), "-q"]) == 0
-    state = load(tmp_path / "a.pt")
-    assert sorted(state) == sorted(Caffe2StyleNet().state_dict().keys() - {"bn1.num_batches_tracked"})
-    assert state["bn1.running_var"].numpy().tobytes() == blobs["res_conv1_bn_riv"].tobytes()
-    assert main(["convert", str(tmp_path / "a.pt"), str(tmp_path / "b.safetensors"), "-q", *TRUST]) == 0
-    assert_same_except(dict(sorted(state.items())), dict(sorted(load_file(str(tmp_path / "b.safetensors")).items())), set())
-    assert main(["convert", str(tmp_path / "b.safetensors"), str(tmp_path / "out.pkl"), "-q"]) == 0
-    back = load_caffe2_pickle(str(tmp_path / "out.pkl"))
-    model_blobs = {k: v for k, v in blobs.items() if k not in ("conv1_w_momentum", "lr")}
-    assert sorted(back) == sorted(model_blobs)
-    assert all(back[k].tobytes() == v.tobytes() for k, v in model_blobs.items())
-
-
-def test_convert_refuses_same_format_and_same_file(tmp_path, capsys):
-    torch.save(small_net().state_dict(), str(tmp_path / "a.pt"))
-    assert main(["convert", str(tmp_path / "a.pt"), str(tmp_path / "b.pth"), "-q"]) == 1
-    assert "both torch files" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "a.pt"), str(tmp_path / "a.pt"), "-q"]) == 1
-    assert "refusing to overwrite" in capsys.readouterr().err
 
 
 def test_inspect_lists_layers_and_drift(tmp_path, capsys):
@@ -259,6 +143,7 @@ def test_inspect_lists_layers_and_drift(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "a.pt"), "--against", str(tmp_path / "b.pt"), *TRUST]) == 0
     out = capsys.readouterr().out
     assert "3 BatchNorm layers in both" in out
+    assert DEFINITIONS["mean_drift"] in out and DEFINITIONS["var_drift"] in out
     old = bn_layers(load(tmp_path / "a.pt")["model"])
     new = net.state_dict()
     for name, (mean, var) in old.items():
@@ -268,17 +153,59 @@ def test_inspect_lists_layers_and_drift(tmp_path, capsys):
         assert row[2:] == ["{:.4g}".format(layer.mean_drift), "{:.4g}".format(layer.var_drift)]
 
 
+def test_inspect_after_a_recompute_says_what_was_measured(tmp_path, capsys):
+    from cli_factories import Caffe2StyleNet
+
+    torch.manual_seed(0)
+    torch.save({"model": Caffe2StyleNet().state_dict()}, str(tmp_path / "one.pt"))
+    args = ["recompute", tmp_path / "one.pt", "--model", "cli_factories:caffe2_style_net", "--data",
+            "cli_factories:batches", "-q", *TRUST]
+    assert run_cli(capsys, *args).returncode == 0
+    result = run_cli(capsys, "inspect", tmp_path / "one.precise_bn.pt", *TRUST)
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert "1 BatchNorm layer" in lines and "num_batches_tracked" in lines[lines.index("1 BatchNorm layer") + 1]
+    entry = [line for line in lines if line.startswith("precise_bn entry (the last recompute): ")]
+    assert len(entry) == 1 and "iterations=5" in entry[0] and "samples=27" in entry[0] and "layers=1" in entry[0]
+    result = run_cli(capsys, "inspect", tmp_path / "one.pt", "--against", tmp_path / "one.precise_bn.pt", *TRUST)
+    assert ": 1 BatchNorm layer in both" in result.stdout
+
+
 @pytest.mark.main_env
-def test_inspect_plot_writes_a_png(tmp_path):
+def test_inspect_plot_writes_a_png_through_a_link(tmp_path):
     torch.manual_seed(0)
     net = small_net()
     torch.save(net.state_dict(), str(tmp_path / "a.pt"))
     with torch.no_grad():
         net(batches()[0][0])
     torch.save(net.state_dict(), str(tmp_path / "b.pt"))
-    plot = tmp_path / "drift.png"
-    assert main(["inspect", str(tmp_path / "a.pt"), "--against", str(tmp_path / "b.pt"), "--plot", str(plot), *TRUST]) == 0
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot, link = tmp_path / "drift.png", tmp_path / "latest.png"
+    plot.write_bytes(b"old")
+    link.symlink_to(plot.name)
+    assert main(["inspect", str(tmp_path / "a.pt"), "--against", str(tmp_path / "b.pt"), "--plot", str(link), *TRUST]) == 0
+    assert link.is_symlink() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.main_env
+def test_drift_figure_is_log_scaled_with_readable_names():
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for i in range(60):
+        old = torch.rand(4, generator=gen, dtype=torch.float64) + 0.5
+        new = old * (1 + 10.0 ** (i % 5 - 3)) if i != 7 else old.clone()
+        layers.append(LayerReport("stage{}.block.bn".format(i), 1, 1, old, old, new, new))
+    layers[3].new_mean = layers[3].new_mean + 1e3  # one layer far off, which a linear scale would let flatten the rest
+    fig = drift_figure(layers, "title")
+    mean_axes, var_axes = fig.axes
+    assert mean_axes.get_xscale() == var_axes.get_xscale() == "log"
+    names = [label.get_text() for label in mean_axes.get_yticklabels()]
+    assert names == [layer.name for layer in layers]
+    assert min(label.get_fontsize() for label in mean_axes.get_yticklabels()) >= 8
+    low, high = mean_axes.get_xlim()
+    assert low <= min(l.mean_drift for l in layers if l.mean_drift > 0) and high >= layers[3].mean_drift
+    assert [t.get_text() for t in mean_axes.texts] == ["0"]  # layer 7 did not move: no bar, a 0
+    height = fig.get_size_inches()[1] * fig.dpi
+    assert height / len(layers) >= 20  # pixels per name, at 8 points a line
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
@@ -297,10 +224,12 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(base + ["--model-kwargs", "{width: 3}"]) == 2
     assert main(base + ["--model-kwargs", "[3]"]) == 2
     assert main(["recompute", str(tmp_path / "a.pt"), "--data", "cli_factories:batches"]) == 2
-    assert main(["inspect", str(tmp_path / "a.pt"), "--plot", "x.png"]) == 2
     assert main([]) == 2
     err = capsys.readouterr().err
-    assert "--model" in err and "--against" in err and "JSON" in err
+    assert "--model" in err and "JSON" in err
+    assert main(["inspect", str(tmp_path / "a.pt"), "--plot", "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: precise-bn inspect") and "--plot draws the drift" in err and "--against" in err
 
 
 def test_spec_errors_name_the_spec(tmp_path, capsys):
@@ -351,15 +280,34 @@ def test_torchvision_unknown_name_suggests_close_ones():
         resolve_model("torchvision:resnet81")
 
 
-def test_standalone_script(tmp_path):
+def test_standalone_script_is_the_whole_command(tmp_path, monkeypatch, capsys):
     torch.manual_seed(0)
     net = small_net()
     torch.save({"model": net.state_dict()}, str(tmp_path / "a.pt"))
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "recompute_precise_bn.py"), str(tmp_path / "a.pt"),
-         "--model", "cli_factories:small_net", "--data", "cli_factories:batches", "-q", *TRUST],
-        capture_output=True, text=True, timeout=180, cwd=str(REPO / "tests"),
-    )
-    assert result.returncode == 0, result.stderr
+    script = str(REPO / "scripts" / "recompute_precise_bn.py")
+    for args in (["recompute", str(tmp_path / "a.pt"), "--model", "cli_factories:small_net", "--data",
+                  "cli_factories:batches", "-q", *TRUST], ["inspect", str(tmp_path / "a.precise_bn.pt"), *TRUST]):
+        monkeypatch.setattr(sys, "argv", [script] + args)
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(script, run_name="__main__")
+        assert exit_.value.code == 0
+    assert "3 BatchNorm layers" in capsys.readouterr().out
     written = load(tmp_path / "a.precise_bn.pt")
     _check_against_reference(written["model"], "", net, batches())
+
+
+def test_installed_console_script(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "precise-bn")
+    assert os.path.isfile(script), "the package is not installed in this environment (pip install -e .)"
+    torch.manual_seed(0)
+    net = small_net()
+    torch.save({"model": net.state_dict()}, str(tmp_path / "a.pt"))
+    env = dict(os.environ, PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [script, "recompute", str(tmp_path / "a.pt"), "--model", "cli_factories:small_net", "--data",
+         "cli_factories:batches", "--output", str(tmp_path / "out.pt"), *TRUST],
+        capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "3 BatchNorm layers" in result.stdout and "wrote {}".format(tmp_path / "out.pt") in result.stderr
+    _check_against_reference(load(tmp_path / "out.pt")["model"], "", net, batches())

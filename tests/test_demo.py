@@ -1,23 +1,26 @@
-"""``precise-bn demo``: end to end as a command, and the pieces the benchmarks reuse."""
+"""``precise-bn demo`` end to end as a command, the pieces the benchmarks reuse, and the example training script."""
 from __future__ import annotations
 
 import re
+import runpy
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from cli_helpers import load, run_cli
+from cli_helpers import REPO, load, run_cli
 from precise_bn.errors import BackendUnavailableError
 from reference import assert_close_default, float64_reference
 
 
 @pytest.mark.main_env
-def test_demo_command_end_to_end(tmp_path):
+def test_demo_command_end_to_end(tmp_path, capsys):
+    from precise_bn.cli.data_specs import resolve_data
     from precise_bn.cli.demo import evaluate, load_digits_splits, make_model
-    from precise_bn.cli.specs import resolve_data
 
-    result = run_cli("demo", "--steps", "60", "--workdir", tmp_path)
+    result = run_cli(capsys, "demo", "--steps", "60", "--workdir", tmp_path)
     assert result.returncode == 0, result.stderr
     found = {
         kind: (float(acc), float(loss))
@@ -26,7 +29,7 @@ def test_demo_command_end_to_end(tmp_path):
     assert set(found) == {"EMA", "precise"}, result.stdout
     # 60 steps of training already separate the ten digits well: the network did learn.
     assert found["EMA"][0] > 80 and found["precise"][0] > 80
-    assert "mean drift" in result.stdout and "4 layers" in result.stdout
+    assert "mean drift" in result.stdout and "4 BatchNorm layers" in result.stdout
 
     original, written = load(tmp_path / "digits_cnn.pt"), load(tmp_path / "digits_cnn.precise_bn.pt")
     assert written["steps"] == 60 and written["seed"] == 0
@@ -68,3 +71,36 @@ def test_demo_without_scikit_learn_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(BackendUnavailableError, match=r"pip install precise-bn\[demo\]"):
         load_digits_splits()
+
+
+@pytest.mark.main_env
+def test_demo_prints_a_command_only_for_files_that_stay(tmp_path, capsys):
+    from precise_bn.cli.demo import load_digits_splits
+
+    result = run_cli(capsys, "demo", "--steps", "5", "-q")
+    assert result.returncode == 0, result.stderr
+    assert "precise-bn recompute" not in result.stdout and "--workdir DIR" in result.stdout
+    result = run_cli(capsys, "demo", "--steps", "5", "--workdir", tmp_path, "-q")
+    command = re.search(r"^recompute: (precise-bn recompute .*)$", result.stdout, re.M).group(1)
+    args = shlex.split(command)[1:] + ["--output", str(tmp_path / "again.pt"), "-q"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the demo runs: float32 batch statistics depend on the thread count
+    try:
+        assert run_cli(capsys, *args).returncode == 0  # the printed command runs, on the files it names
+    finally:
+        torch.set_num_threads(threads)
+    again, first = load(tmp_path / "again.pt")["model"], load(tmp_path / "digits_cnn.precise_bn.pt")["model"]
+    assert all(torch.equal(again[k], first[k]) for k in first)
+    assert int(args[args.index("--num-samples") + 1]) == len(load_digits_splits(0)[0])
+
+
+@pytest.mark.main_env
+def test_example_training_script_leaves_no_files_behind(tmp_path, monkeypatch, capsys):
+    script = REPO / "scripts" / "train_with_precise_bn.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "--steps", "10", "--eval-every", "5", "--save-every", "5",
+                                      "--bn-batches", "2"])
+    runpy.run_path(str(script), run_name="__main__")
+    saved = re.findall(r"saved (\S+)", capsys.readouterr().out)
+    assert len(saved) == 2 and not any(Path(p).exists() for p in saved)
+    assert list(tmp_path.iterdir()) == []

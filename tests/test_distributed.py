@@ -168,6 +168,33 @@ def test_failure_on_one_rank_raises_on_all_instead_of_hanging(world_runs):
     assert all(r["unchanged"] for r in per_rank)
 
 
+@pytest.mark.parametrize("name, failing, error", [
+    ("interrupt", 1, "KeyboardInterrupt"),
+    ("lazy_layer", 1, "LayerError"),
+    ("warning_as_error", 0, "PreciseBNWarning"),
+])
+def test_any_exception_on_one_rank_makes_every_rank_fail_together(world_runs, name, failing, error):
+    """Ctrl-C mid-pass, a LayerError before the first round, a warning turned into an error after
+    the merge: the failing rank raises its own error, every other rank a DistributedError naming
+    it (told in a round, not timed out), and no rank changes its model."""
+    world, per_rank = scenario(world_runs, name)
+    assert per_rank[failing]["error"] == error, per_rank[failing]
+    for rank in range(world):
+        if rank != failing:
+            assert per_rank[rank]["error"] == "DistributedError", per_rank[rank]
+            assert "[{}]".format(failing) in per_rank[rank]["message"], per_rank[rank]
+            assert "waited" not in per_rank[rank]["message"]
+    assert all(r["unchanged"] for r in per_rank)
+
+
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout(tmp_path):
+    """Rank 1 dies (os._exit) in the middle of its data: rank 0 raises DistributedError, wrapping
+    the backend's error, instead of waiting for gloo's half hour."""
+    per_rank = W.spawn_killed(str(tmp_path), timeout=5.0, spawn_timeout=SPAWN_TIMEOUT_S)
+    assert per_rank[0]["error"] == "DistributedError", per_rank[0]
+    assert "rank 0" in per_rank[0]["message"] and per_rank[0]["unchanged"]
+
+
 def test_single_process_is_the_identity():
     assert not distributed.is_distributed()
     assert (distributed.get_world_size(), distributed.get_rank()) == (1, 0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import io
 import json
 import logging
 import os
@@ -33,9 +34,10 @@ from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple
 import torch
 
 from .._version import __version__
-from ..errors import BackendUnavailableError, CheckpointError, UnsafeCheckpointError
+from ..errors import BackendUnavailableError, CheckpointError, ConfigError, UnsafeCheckpointError
 from ..report import BNReport
 from ..atomic import atomic_write
+from .paths import check_paths
 from .state import PROVENANCE_KEY, Checkpoint, StateDict, locate_state_dict
 
 logger = logging.getLogger("precise_bn")
@@ -47,14 +49,30 @@ def detect_format(path: str) -> str:
     """``"safetensors"``, ``"caffe2"`` (a plain pickle named ``.pkl``/``.pickle``) or ``"torch"``.
 
     A zip archive is always a ``torch.save`` file, whatever its name; a non-zip file is a
-    Caffe2 pickle only when its name says so (legacy ``torch.save`` files are pickles too).
+    Caffe2 pickle only when its name says so and it does not begin as a legacy ``torch.save``
+    file does (those are pickles too, and are sometimes named ``.pkl``).
     """
     lower = path.lower()
     if lower.endswith(".safetensors"):
         return "safetensors"
-    if lower.endswith((".pkl", ".pickle")) and not (os.path.exists(path) and zipfile.is_zipfile(path)):
+    if lower.endswith((".pkl", ".pickle")) and not (os.path.isfile(path) and _written_by_torch_save(path)):
         return "caffe2"
     return "torch"
+
+
+#: How a legacy (non-zip) ``torch.save`` file begins: its magic number, pickled with protocol 2.
+_LEGACY_TORCH_HEADER = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _written_by_torch_save(path: str) -> bool:
+    """A zip archive, or a pickle that starts with torch's legacy magic number."""
+    try:
+        if zipfile.is_zipfile(path):
+            return True
+        with open(path, "rb") as handle:
+            return handle.read(len(_LEGACY_TORCH_HEADER)) == _LEGACY_TORCH_HEADER
+    except OSError:
+        return False  # unreadable: loading it says so
 
 
 def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False, rules: Any = None) -> Checkpoint:
@@ -71,8 +89,13 @@ def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False
         UnsafeCheckpointError: the file needs code to load and ``trust`` is False.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError("{}: is a folder, not a checkpoint file (a sharded or distributed checkpoint? "
+                              "consolidate it into one file first)".format(path))
     if not os.path.isfile(path):
         raise CheckpointError("{}: no such checkpoint file".format(path))
+    if os.path.getsize(path) == 0:
+        raise CheckpointError("{}: the file is empty (0 bytes), an interrupted save?".format(path))
     fmt = detect_format(path)
     if key is not None and fmt != "torch":
         raise CheckpointError("{}: a {} file is one flat table of tensors; --key applies to torch.save files".format(path, fmt))
@@ -80,14 +103,16 @@ def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False
         tensors, metadata = _load_safetensors(path)
         return Checkpoint(path, fmt, tensors, tensors, metadata=metadata)
     if fmt == "caffe2":
-        from ..caffe2.checkpoint import read_caffe2_pickle
+        from ..caffe2.checkpoint import pickle_protocol, read_caffe2_pickle
         from ..caffe2.names import caffe2_to_torch
 
         root, blobs = read_caffe2_pickle(path)
-        state_dict, conversion = caffe2_to_torch(blobs, rules, source=path)
+        # Blobs no rule maps stay in ``root``, which is what is written back: nothing is lost.
+        state_dict, conversion = caffe2_to_torch(blobs, rules, source=path, unmapped="drop")
         logger.info("%s: Caffe2 blobs to PyTorch names: %s", path, conversion)
         names = {key: blob for blob, key in conversion.mapped.items()}
-        return Checkpoint(path, fmt, root, state_dict, source_names=names)
+        return Checkpoint(path, fmt, root, state_dict, source_names=names,
+                          metadata={PICKLE_PROTOCOL: str(pickle_protocol(path))})
     root = _torch_load(path, trust)
     where, state_dict = locate_state_dict(root, path, key)
     return Checkpoint(path, fmt, root, state_dict, where=where, legacy_format=not zipfile.is_zipfile(path))
@@ -147,12 +172,25 @@ def _unpickler_complaint(message: str) -> str:
     detail = message.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
     return detail[0] if detail else message
 
+
+def _now() -> datetime.datetime:
+    """The time to record: ``SOURCE_DATE_EPOCH`` when set (reproducible builds' convention, so
+    that two identical runs write identical bytes), else the current time, in UTC."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        return datetime.datetime.now(datetime.timezone.utc)
+    try:
+        return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise ConfigError("SOURCE_DATE_EPOCH={!r} is not a number of seconds since 1970".format(epoch)) from exc
+
+
 def provenance(report: BNReport) -> Dict[str, Any]:
     """What the ``precise_bn`` entry records: how the stats were measured, by what, when."""
     return {
         "version": __version__,
         "torch": str(torch.__version__),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now().isoformat(timespec="seconds"),
         "samples": report.samples,
         "iterations": report.batches,
         "world_size": report.world_size,
@@ -174,20 +212,13 @@ def set_provenance(ckpt: Checkpoint, info: Mapping[str, Any]) -> None:
         )
 
 
-def check_output(source: str, output: str, in_place: bool) -> None:
-    """Refuse to write over ``source`` unless ``in_place``; refuse ``in_place`` to another file."""
-    same = os.path.abspath(output) == os.path.abspath(source) or (
-        os.path.exists(output) and os.path.samefile(output, source)
-    )
-    if same and not in_place:
-        raise CheckpointError(
-            "{}: refusing to overwrite the input checkpoint; pass --in-place (in_place=True) to "
-            "replace it, or choose another --output".format(source)
-        )
-    if in_place and not same:
-        raise CheckpointError(
-            "{}: in_place writes the input file itself, not {}".format(source, output)
-        )
+def check_output(source: str, output: str, in_place: bool, *, break_hardlinks: bool = False) -> str:
+    """Check before any work that ``output`` may be written (see
+    :func:`precise_bn.checkpoint.paths.check_paths`): never the input ``source`` unless
+    ``in_place``, which writes nothing else. Returns the file that will be written (symbolic
+    links resolved)."""
+    return check_paths([("the input", source)], [("the output", output)], in_place=in_place,
+                       break_hardlinks=break_hardlinks)[0]
 
 
 def write_file(path: str, write: Callable[[BinaryIO], None]) -> None:
@@ -196,7 +227,7 @@ def write_file(path: str, write: Callable[[BinaryIO], None]) -> None:
         atomic_write(path, write)
     except OSError as exc:
         raise CheckpointError(
-            "{}: writing failed ({}); any previous file there is unchanged".format(path, exc)
+            "{}: writing failed ({}); any previous file there is unchanged".format(path, exc.strerror or exc)
         ) from exc
 
 
@@ -205,14 +236,28 @@ def _safetensors_writer(tensors: Mapping[str, torch.Tensor], metadata: Mapping[s
     return lambda handle: handle.write(save(dict(tensors), metadata=dict(metadata)))
 
 
-def _caffe2_writer(blobs: Mapping[str, Any], root: Any = None):
-    from ..caffe2.checkpoint import save_caffe2_pickle
+#: Where a Caffe2 checkpoint's ``metadata`` keeps its pickle protocol, to write it back alike.
+PICKLE_PROTOCOL = "pickle_protocol"
 
-    return lambda handle: save_caffe2_pickle(dict(blobs), handle, root=root)
+
+def _caffe2_writer(blobs: Mapping[str, Any], root: Any = None, metadata: Optional[Mapping[str, str]] = None):
+    from ..caffe2.checkpoint import DEFAULT_PROTOCOL, save_caffe2_pickle
+
+    protocol = int((metadata or {}).get(PICKLE_PROTOCOL, DEFAULT_PROTOCOL))
+    return lambda handle: save_caffe2_pickle(dict(blobs), handle, root=root, protocol=protocol)
 
 
 def _torch_writer(obj: Any, legacy: bool = False):
-    return lambda handle: torch.save(obj, handle, _use_new_zipfile_serialization=not legacy)
+    """Serialise in memory, then write the bytes: a full disk or a file-size limit then raises
+    the plain ``OSError`` (ENOSPC, EFBIG) instead of the zip writer's internal error, which on
+    torch 1.10 even aborts the process from a destructor."""
+
+    def write(handle: BinaryIO) -> None:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
+        handle.write(buffer.getbuffer())
+
+    return write
 
 
 def _caffe2_blobs_with(ckpt: Checkpoint) -> Dict[str, Any]:
@@ -221,26 +266,28 @@ def _caffe2_blobs_with(ckpt: Checkpoint) -> Dict[str, Any]:
     return {ckpt.source_names[key]: ckpt.state_dict[key] for key in ckpt.updated}
 
 
-def save_checkpoint(ckpt: Checkpoint, output: str, *, in_place: bool = False) -> None:
+def save_checkpoint(ckpt: Checkpoint, output: str) -> None:
     """Write ``ckpt`` (with the stats :func:`apply_bn_stats` put in) to ``output``, atomically.
 
     The same serializer as the input's (zip or legacy ``torch.save``, safetensors with its
-    metadata, Caffe2 pickle). Refuses to overwrite the input unless ``in_place``.
+    metadata, Caffe2 pickle). ``output`` is one :func:`check_output` accepted before any work.
     """
-    check_output(ckpt.path, output, in_place)
     if ckpt.format == "safetensors":
         writer = _safetensors_writer(ckpt.state_dict, ckpt.metadata)
     elif ckpt.format == "caffe2":
-        writer = _caffe2_writer(_caffe2_blobs_with(ckpt), ckpt.root)
+        writer = _caffe2_writer(_caffe2_blobs_with(ckpt), ckpt.root, ckpt.metadata)
     else:
         writer = _torch_writer(ckpt.root, ckpt.legacy_format)
     write_file(output, writer)
     logger.info("wrote %s (%d BatchNorm tensors updated)", output, len(ckpt.updated))
 
 
-def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str, fmt: str, rules: Any = None) -> None:
+def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str, fmt: str, rules: Any = None,
+                    unmapped: str = "error") -> Any:
     """Write a bare state dict as ``fmt`` (``torch``, ``safetensors`` or ``caffe2``, with the
-    name ``rules`` of :func:`precise_bn.caffe2.names.torch_to_caffe2`), atomically."""
+    name ``rules`` and ``unmapped`` policy of :func:`precise_bn.caffe2.names.torch_to_caffe2`),
+    atomically. Returns the name conversion's report for ``caffe2``, else None."""
+    conversion = None
     if fmt == "safetensors":
         # safetensors refuses tensors that share memory; a state dict may hold views.
         tensors = {k: v.detach().contiguous().clone() for k, v in state_dict.items()}
@@ -248,10 +295,11 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str, fmt: str,
     elif fmt == "caffe2":
         from ..caffe2.names import torch_to_caffe2
 
-        blobs, conversion = torch_to_caffe2(dict(state_dict), rules)
+        blobs, conversion = torch_to_caffe2(dict(state_dict), rules, unmapped=unmapped, source="converting to " + path)
         logger.info("%s: PyTorch names to Caffe2 blobs: %s", path, conversion)
         writer = _caffe2_writer(blobs)
     else:
         writer = _torch_writer(dict(state_dict))
     write_file(path, writer)
+    return conversion
 

@@ -47,12 +47,20 @@ class Checkpoint:
     updated: List[str] = field(default_factory=list)
 
     @property
-    def provenance(self) -> Optional[Dict[str, Any]]:
-        """The ``precise_bn`` entry a previous recompute left, if any."""
+    def provenance(self) -> Any:
+        """The ``precise_bn`` entry a previous recompute left, as stored (None when absent).
+
+        Files come from anywhere, so nothing is assumed of it: a safetensors entry that is not
+        JSON comes back as its text, a ``torch.save`` one as whatever object it is.
+        """
         if self.format == "safetensors" and PROVENANCE_KEY in self.metadata:
-            return json.loads(self.metadata[PROVENANCE_KEY])
-        if self.format == "torch" and self.where and isinstance(self.root.get(PROVENANCE_KEY), dict):
-            return self.root[PROVENANCE_KEY]
+            text = self.metadata[PROVENANCE_KEY]
+            try:
+                return json.loads(text)
+            except ValueError:
+                return text
+        if self.format == "torch" and self.where and isinstance(self.root, Mapping):
+            return self.root.get(PROVENANCE_KEY)
         return None
 
     def describe(self) -> str:

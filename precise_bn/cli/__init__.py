@@ -5,45 +5,67 @@
     precise-bn convert model_final.pkl model_final.pt
     precise-bn demo
 
-Exit status: 0 on success, 2 on a usage error, 1 on a failure (the message names the file, key
-or layer at fault). Under ``torchrun`` every rank measures its shard, the stats are merged
-exactly, and rank 0 alone writes.
+Exit status: 0 on success, 2 on a usage error, 1 on a failure, shown as one line that names the
+file, key, layer or argument at fault (``--debug`` adds the traceback); 130 after Ctrl-C, 143
+after SIGTERM. Under ``torchrun`` every rank measures its shard, the stats are merged exactly,
+and rank 0 alone writes.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import logging
 import os
 import sys
+import traceback
 import warnings
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
 from .. import distributed
-from ..errors import PreciseBNError
+from ..atomic import Terminated, exit_on_terminate
+from ..data import input_key_forward
+from ..options import ForwardFn, Options
 from . import convert, inspect
 from .demo import run_demo
+from .failures import one_line
 from .job import recompute_checkpoint
-from .parser import build_parser
+from .parser import parse
+from .specs import load_callable
+from .tables import COLUMNS, legend
 
 logger = logging.getLogger("precise_bn")
 
 
+def _forward_fn(args: argparse.Namespace) -> Optional[ForwardFn]:
+    if args.forward_fn:
+        return load_callable(args.forward_fn, "--forward-fn")
+    return input_key_forward(args.input_key) if args.input_key else None
+
+
 def _recompute(args: argparse.Namespace) -> None:
-    options: Dict[str, Any] = {"num_batches": args.num_batches, "num_samples": args.num_samples,
-                               "device": _rank_device(args.device), "exact": args.exact, "rtol": args.rtol,
-                               "progress": False if args.quiet else None}
-    if args.min_batches is not None:
-        options["min_batches"] = args.min_batches
-    report, out = recompute_checkpoint(
-        args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
-        batch_size=args.batch_size, output=args.output, in_place=args.in_place, report_path=args.report,
-        key=args.key, prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=inspect.rules_of(args),
-        **options)
-    if distributed.is_main_process():
-        print(report)
+    Options(device=args.device, timeout=args.timeout)  # checked before joining a process group
+    joined = _init_distributed(args.device, args.timeout)
+    try:
+        options: Dict[str, Any] = {"num_batches": args.num_batches, "num_samples": args.num_samples,
+                                   "device": _rank_device(args.device), "exact": args.exact, "rtol": args.rtol,
+                                   "forward_fn": _forward_fn(args), "timeout": args.timeout,
+                                   "progress": False if args.quiet else None}
+        if args.min_batches is not None:
+            options["min_batches"] = args.min_batches
+        report, _ = recompute_checkpoint(
+            args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
+            batch_size=args.batch_size, seed=args.seed, augment=args.augment, output=args.output,
+            in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks, key=args.key,
+            prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=inspect.rules_of(args), **options)
+        if distributed.is_main_process():
+            print(report)
+            print(legend(list(COLUMNS)))
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -59,13 +81,15 @@ def _rank_device(device: Optional[str]) -> Optional[str]:
     return device
 
 
-def _init_distributed(device: Optional[str]) -> bool:
-    """Join the process group torchrun describes in the environment; False when not launched so."""
+def _init_distributed(device: Optional[str], timeout: float) -> bool:
+    """Join the process group torchrun describes in the environment; False when not launched so.
+    Its collectives give up after ``timeout`` seconds, as precise-bn's own rounds do."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or distributed.is_distributed():
         return False
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo")
+    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout))
     return True
 
 
@@ -95,22 +119,23 @@ COMMANDS = {"recompute": _recompute, "inspect": inspect.run, "convert": convert.
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-        if args.command == "inspect" and args.plot and not args.against:
-            parser.error("inspect: --plot draws the drift between two checkpoints and needs --against")
+        args = parse(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    joined = _init_distributed(getattr(args, "device", None)) if args.command == "recompute" else False
     try:
-        with _logging_to_stderr(args.quiet), warnings.catch_warnings():
+        with exit_on_terminate(), _logging_to_stderr(args.quiet), warnings.catch_warnings():
             warnings.showwarning = _show_warning
             COMMANDS[args.command](args)
-    except PreciseBNError as exc:
-        print("precise-bn: error: {}".format(exc), file=sys.stderr)
+    except (Exception, KeyboardInterrupt, Terminated) as exc:
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(exc, KeyboardInterrupt):
+            print("precise-bn: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(exc, Terminated):
+            print("precise-bn: stopped by a termination signal", file=sys.stderr)
+            return int(exc.code)
+        print("precise-bn: error: " + one_line(exc), file=sys.stderr)
         return 1
-    finally:
-        if joined:
-            torch.distributed.destroy_process_group()
     return 0

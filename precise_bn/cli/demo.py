@@ -29,6 +29,7 @@ from ..checkpoint.formats import SAFE_LOAD_AVAILABLE
 from ..errors import BackendUnavailableError
 from ..report import BNReport
 from .job import recompute_checkpoint
+from .tables import COLUMNS, legend
 
 DEFAULT_STEPS = 300
 BATCH_SIZE = 32
@@ -165,11 +166,12 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
         data = os.path.join(folder, "digits_train.npz")
         torch.save({"model": model.state_dict(), "steps": steps, "seed": seed}, checkpoint)
         np.savez(data, x=train_x.numpy())
-        print(
-            "recompute: precise-bn recompute {} --model precise_bn.cli.demo:make_model --data npz:{}:x "
-            "--num-samples {} --batch-size {}".format(checkpoint, data, len(train_x), BATCH_SIZE),
-            flush=True,
-        )
+        command = "precise-bn recompute {} --model precise_bn.cli.demo:make_model --data npz:{}:x " \
+                  "--num-samples {} --batch-size {}".format(checkpoint, data, len(train_x), BATCH_SIZE)
+        if workdir is None:
+            command = "the recompute command on files in a temporary folder, deleted at the end (precise-bn demo " \
+                      "--workdir DIR keeps them and shows the command)"
+        print("recompute: " + command, flush=True)
         report, output = recompute_checkpoint(
             checkpoint,
             "precise_bn.cli.demo:make_model",
@@ -184,6 +186,7 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
         precise_accuracy, precise_loss = evaluate(_load(output), test_x, test_y)
     result = DemoResult(ema_accuracy, ema_loss, precise_accuracy, precise_loss, report, time.perf_counter() - started)
     print(report)
+    print(legend(list(COLUMNS)))
     print("held-out accuracy with the EMA running stats: {:6.2%} (loss {:.4f})".format(ema_accuracy, ema_loss))
     print("held-out accuracy with the precise stats:     {:6.2%} (loss {:.4f})".format(precise_accuracy, precise_loss))
     print("total {:.1f} s".format(result.seconds))

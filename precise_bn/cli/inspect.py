@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import math
 import os
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checkpoint.formats import load_checkpoint
+from ..checkpoint.formats import load_checkpoint, write_file
+from ..checkpoint.paths import check_paths
 from ..checkpoint.state import Checkpoint, bn_layers, prefix_counts
-from ..errors import BackendUnavailableError, CheckpointError
+from ..errors import BackendUnavailableError, ConfigError
 from ..report import LayerReport
 from .specs import load_object
+from .tables import counted, legend, table
+
 
 def rules_of(args: argparse.Namespace) -> Any:
     """The ``--caffe2-rules`` object, or None for the built-in ResNet rules."""
@@ -24,12 +28,18 @@ def _stat_range(t: torch.Tensor) -> str:
     return "{:.4g} .. {:.4g}".format(float(t.min()), float(t.max())) if t.numel() else "-"
 
 
-def _table(rows: List[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    )
+def provenance_line(entry: Any) -> Optional[str]:
+    """The ``precise_bn`` entry in one line; a file may hold anything there, so any object is
+    shown, as is, when it is not the flat table of plain values precise-bn writes."""
+    if entry is None:
+        return None
+    plain = (str, int, float, bool, type(None))
+    if isinstance(entry, dict) and all(isinstance(k, str) and isinstance(v, plain) for k, v in entry.items()):
+        return "precise_bn entry (the last recompute): " + ", ".join(
+            "{}={}".format(k, entry[k]) for k in sorted(entry))
+    text = repr(entry)
+    return "precise_bn entry, not in the form precise-bn writes (damaged, or written by another tool): {}".format(
+        text if len(text) <= 200 else text[:200] + "...")
 
 
 def drift_layers(old: Checkpoint, new: Checkpoint) -> Tuple[List[LayerReport], List[str], List[str]]:
@@ -58,58 +68,103 @@ def drift_layers(old: Checkpoint, new: Checkpoint) -> Tuple[List[LayerReport], L
     return layers, [n for n in a if n not in {x for x, _ in pairs}], [n for n in b if n not in {y for _, y in pairs}]
 
 
-def plot_drift(layers: Sequence[LayerReport], path: str, title: str) -> None:
-    """Bar charts of the mean and variance drift per layer, written to ``path``."""
+def _matplotlib(name: str) -> Any:
     try:
-        from matplotlib.figure import Figure
+        return importlib.import_module("matplotlib." + name)
     except ImportError as exc:
         raise BackendUnavailableError("--plot needs matplotlib: pip install precise-bn[plot]") from exc
-    fig = Figure(figsize=(max(6.0, 0.25 * len(layers) + 2), 6.0), constrained_layout=True)
-    axes = fig.subplots(2, 1, sharex=True)
-    x = list(range(len(layers)))
-    for ax, values, label in (
-        (axes[0], [l.mean_drift for l in layers], "mean drift (|dm| / new std)"),
-        (axes[1], [l.var_drift for l in layers], "variance drift (|dv| / new var)"),
-    ):
-        ax.bar(x, values)
-        ax.set_ylabel(label)
-    axes[0].set_title(title)
-    axes[1].set_xticks(x)
-    axes[1].set_xticklabels([l.name for l in layers], rotation=90, fontsize=6)
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise CheckpointError("{}: cannot write the plot: {}".format(path, exc)) from exc
+
+
+def plot_format(path: str) -> str:
+    """The image format ``path``'s extension names, if matplotlib writes it (checked before any work)."""
+    fmt = os.path.splitext(path)[1][1:].lower()
+    known = _matplotlib("figure").Figure().canvas.get_supported_filetypes()
+    if fmt not in known:
+        raise ConfigError("--plot {}: matplotlib writes {}; end the name with one of them".format(
+            path, ", ".join("." + k for k in sorted(known))))
+    return fmt
+
+
+def drift_figure(layers: Sequence[LayerReport], title: str) -> Any:
+    """Horizontal bars of the mean and variance drift per layer, on log scales: one layer whose
+    stats moved a lot would flatten every other bar on a linear one, and names on the vertical
+    axis stay readable at any count. A drift of exactly 0 has no bar on a log scale; it is
+    written as "0" instead."""
+    NullFormatter = _matplotlib("ticker").NullFormatter
+    height = 1.8 + 0.24 * max(len(layers), 1)  # inches: 24 px a name at 100 dpi, for 8-point labels
+    fig = _matplotlib("figure").Figure(figsize=(11.0, height), dpi=100, constrained_layout=True)
+    axes = fig.subplots(1, 2, sharey=True)
+    y = list(range(len(layers)))
+    for ax, key, label in ((axes[0], "mean_drift", "mean drift: max |new mean - old mean| / new std"),
+                           (axes[1], "var_drift", "variance drift: max |new var - old var| / new var")):
+        values = [getattr(layer, key) for layer in layers]
+        shown = [v for v in values if v > 0 and math.isfinite(v)]
+        ax.barh(y, [v if v > 0 else math.nan for v in values], color="tab:blue")
+        ax.set_xscale("log")
+        if shown:  # whole decades, so that the labelled ticks are powers of ten and never crowd
+            ax.set_xlim(10.0 ** math.floor(math.log10(min(shown))), 10.0 ** math.ceil(math.log10(max(shown)) + 1e-9))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(label, fontsize=9)
+        ax.grid(axis="x", which="major", alpha=0.3)
+        for row, value in zip(y, values):
+            if not value > 0:
+                ax.annotate("0", (0, row), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=8)
+    axes[0].set_yticks(y)
+    axes[0].set_yticklabels([layer.name for layer in layers], fontsize=8)
+    axes[0].set_ylim(len(layers) - 0.5, -0.5)  # the first layer at the top
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_drift(layers: Sequence[LayerReport], path: str, title: str) -> None:
+    """:func:`drift_figure`, written to ``path`` atomically in the format its extension names."""
+    fmt = plot_format(path)
+    fig = drift_figure(layers, title)
+    write_file(path, lambda handle: fig.savefig(handle, format=fmt))
+
+
+def _list_layers(ckpt: Checkpoint) -> None:
+    layers = bn_layers(ckpt.state_dict)
+    print(counted(len(layers), "BatchNorm layer"))
+    if not layers:
+        return
+    rows = [("layer", "channels", "running_mean min .. max", "running_var min .. max", "num_batches_tracked")]
+    for name, (mean, var) in layers.items():
+        tracked = ckpt.state_dict.get(name + ".num_batches_tracked" if name else "num_batches_tracked")
+        rows.append((name, str(mean.numel()), _stat_range(mean), _stat_range(var),
+                     "-" if tracked is None else str(int(tracked))))
+    print(table(rows))
+    print("  num_batches_tracked counts training batches; precise-bn leaves it as it was")
 
 
 def run(args: argparse.Namespace) -> None:
     """``precise-bn inspect ARGS``."""
+    if args.plot:
+        plot_format(args.plot)
+        check_paths([("the checkpoint", args.checkpoint), ("--against", args.against)], [("--plot", args.plot)],
+                    break_hardlinks=args.break_hardlinks)
     ckpt = load_checkpoint(args.checkpoint, key=args.key, trust=args.trust_checkpoint, rules=rules_of(args))
     print(ckpt.describe())
-    if ckpt.provenance is not None:
-        print("precise_bn entry: " + json.dumps(ckpt.provenance, sort_keys=True))
+    line = provenance_line(ckpt.provenance)
+    if line:
+        print(line)
     if args.against is None:
-        layers = bn_layers(ckpt.state_dict)
-        rows = [("layer", "channels", "running_mean min .. max", "running_var min .. max", "batches")]
-        for name, (mean, var) in layers.items():
-            tracked = ckpt.state_dict.get(name + ".num_batches_tracked" if name else "num_batches_tracked")
-            rows.append(
-                (name, str(mean.numel()), _stat_range(mean), _stat_range(var), "-" if tracked is None else str(int(tracked)))
-            )
-        print("{} BatchNorm layers".format(len(layers)))
-        if layers:
-            print(_table(rows))
+        _list_layers(ckpt)
         return
     other = load_checkpoint(args.against, key=args.key, trust=args.trust_checkpoint, rules=rules_of(args))
     layers, only_old, only_new = drift_layers(ckpt, other)
-    print("drift from {} to {}: {} BatchNorm layers in both".format(ckpt.path, other.path, len(layers)))
-    rows = [("layer", "channels", "mean drift", "var drift")]
-    rows += [(l.name, str(l.old_mean.numel()), "{:.4g}".format(l.mean_drift), "{:.4g}".format(l.var_drift)) for l in layers]
+    print("drift from {} to {}: {} in both".format(ckpt.path, other.path, counted(len(layers), "BatchNorm layer")))
     if layers:
-        print(_table(rows))
+        rows = [("layer", "channels", "mean drift", "var drift")]
+        rows += [(l.name, str(l.old_mean.numel()), "{:.4g}".format(l.mean_drift), "{:.4g}".format(l.var_drift))
+                 for l in layers]
+        print(table(rows))
+        print(legend(["mean drift", "var drift"]))
     for path, names in ((ckpt.path, only_old), (other.path, only_new)):
         if names:
             print("only in {} ({}): {}".format(path, len(names), ", ".join(names)))
     if args.plot:
-        plot_drift(layers, args.plot, "BN drift: {} -> {}".format(os.path.basename(ckpt.path), os.path.basename(other.path)))
+        plot_drift(layers, args.plot, "BN drift: {} -> {}".format(os.path.basename(ckpt.path),
+                                                                  os.path.basename(other.path)))
         print("wrote {}".format(args.plot))

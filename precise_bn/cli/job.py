@@ -1,23 +1,36 @@
-"""Recompute the BN statistics of a checkpoint file: the job behind ``precise-bn recompute``."""
+"""Recompute the BN statistics of a checkpoint file: the job behind ``precise-bn recompute``.
+
+In order: every output is checked (:mod:`precise_bn.checkpoint.paths`), the checkpoint is
+loaded and matched to the model, the data are opened; then the pass; then rank 0 writes the
+checkpoint and the report, each atomically. Nothing is written unless the pass succeeded, and
+nothing the checks refused is ever written. Under ``torch.distributed`` a failure of any rank
+during the setup makes every rank fail at its end (a round of
+:class:`~precise_bn.distributed.Ranks`), so none waits for the others until the timeout.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from typing import Any, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from .. import distributed
 from ..api import recalibrate
-from ..checkpoint.formats import check_output, load_checkpoint, provenance, save_checkpoint, set_provenance, write_file
+from ..checkpoint.formats import load_checkpoint, provenance, save_checkpoint, set_provenance, write_file
+from ..checkpoint.paths import check_paths
 from ..checkpoint.state import Checkpoint, apply_bn_stats, bn_stats_of, load_into_model, match_model
-from ..errors import LayerError
+from ..distributed import ACTIVE, Ranks
+from ..errors import ConfigError, LayerError, PreciseBNError
 from ..options import Options
 from ..pytorch.layers import no_layer_message, select_layers
 from ..report import BNReport
-from .specs import resolve_data, resolve_model
+from .data_specs import data_files, resolve_data
+from .failures import BlamedBatches, blame, blamed_on, raised_in_package
+from .specs import resolve_model
 
 logger = logging.getLogger("precise_bn")
 
@@ -30,6 +43,48 @@ def default_output(checkpoint: str) -> str:
     return root + ".precise_bn" + ext
 
 
+@contextlib.contextmanager
+def _together(timeout: float) -> Iterator[None]:
+    """Setup each rank does on its own: if it raises on one rank, every rank raises at the end."""
+    ranks = Ranks(distributed.get_world_size() > 1, None, timeout)
+    try:
+        yield
+    except BaseException:
+        ranks.abort()
+        raise
+    ranks.exchange(ACTIVE)
+
+
+def _label(spec: Union[str, Any], what: str) -> str:
+    return "{} {!r}".format(what, spec) if isinstance(spec, str) else "the {}".format(what.lstrip("-"))
+
+
+def _load_model(ckpt: Checkpoint, model: Union[str, nn.Module], model_kwargs: Optional[Mapping[str, Any]],
+                prefix: Optional[str]) -> Tuple[nn.Module, str]:
+    """The model with the checkpoint's tensors in it, and the key prefix they sit under."""
+    with blamed_on(_label(model, "--model")):
+        net = model if isinstance(model, nn.Module) else resolve_model(model, model_kwargs)
+    prefix = match_model(ckpt, net.state_dict(), prefix)
+    if prefix:
+        logger.info("the model's keys sit under the prefix %r", prefix)
+    load_into_model(net, ckpt, prefix)
+    if not select_layers(net):
+        raise LayerError("nothing to recompute in {}: {}".format(ckpt.path, no_layer_message(net)))
+    return net, prefix
+
+
+def _measure(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
+    """The pass; an exception from the user's model becomes one line naming it and the batch."""
+    try:
+        return recalibrate(net, batches, opts)
+    except PreciseBNError:
+        raise
+    except Exception as exc:
+        if raised_in_package(exc):
+            raise
+        raise blame("{} on batch {}".format(model_label, batches.read), exc) from exc
+
+
 def recompute_checkpoint(
     checkpoint: str,
     model: Union[str, nn.Module],
@@ -38,9 +93,12 @@ def recompute_checkpoint(
     model_kwargs: Optional[Mapping[str, Any]] = None,
     data_kwargs: Optional[Mapping[str, Any]] = None,
     batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    augment: bool = False,
     output: Optional[str] = None,
     in_place: bool = False,
     report_path: Optional[str] = None,
+    break_hardlinks: bool = False,
     key: Optional[str] = None,
     prefix: Optional[str] = None,
     trust: bool = False,
@@ -49,49 +107,67 @@ def recompute_checkpoint(
 ) -> Tuple[BNReport, str]:
     """Recalibrate the BN stats of a checkpoint file; return the report and the file written.
 
-    ``model``/``data`` are specs (see :mod:`precise_bn.cli.specs`) or a module / an iterable.
-    ``caffe2_rules`` map a Caffe2 ``.pkl``'s layer names to the model's module names; the new
-    stats go back into the very blobs they were read from. ``**options`` are those of
-    :func:`precise_bn.recompute`; without a budget (``num_batches``, ``num_samples``, ``rtol``),
-    200 batches as in fvcore. ``output`` defaults to :func:`default_output`; ``in_place``
-    replaces the input atomically. Only BN ``running_mean``/``running_var`` change in the file
-    written (see :mod:`precise_bn.checkpoint.formats`). Under ``torch.distributed`` every rank
-    measures and merges, rank 0 writes, all wait for it.
+    ``model``/``data`` are specs (see :mod:`precise_bn.cli.specs` and
+    :mod:`precise_bn.cli.data_specs`; ``seed`` and ``augment`` apply to the data) or a module
+    and an iterable. ``caffe2_rules`` map a Caffe2 ``.pkl``'s layer names to the model's module
+    names; the new stats go back into the very blobs they were read from. ``**options`` are
+    those of :func:`precise_bn.recompute`; without a budget (``num_batches``, ``num_samples``,
+    ``rtol``), 200 batches as in fvcore. ``output`` defaults to :func:`default_output`;
+    ``in_place`` replaces the input (through a symbolic link, its target). Every output is
+    checked before any work (see :mod:`precise_bn.checkpoint.paths`; ``break_hardlinks``
+    allows replacing a file that has other hard links). Only BN ``running_mean``/``running_var``
+    change in the file written (see :mod:`precise_bn.checkpoint.formats`).
     """
     opts = Options.build("recompute_checkpoint", **options)
     if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
         opts = opts.replace(num_batches=DEFAULT_ITERS)
+    if in_place and output is not None:
+        raise ConfigError("recompute: give output or in_place, not both")
     out = checkpoint if in_place else (output or default_output(checkpoint))
-    check_output(checkpoint, out, in_place)
-    ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
-    logger.info("%s", ckpt.describe())
-    net = model if isinstance(model, nn.Module) else resolve_model(model, model_kwargs)
-    prefix = match_model(ckpt, net.state_dict(), prefix)
-    if prefix:
-        logger.info("the model's keys sit under the prefix %r", prefix)
-    load_into_model(net, ckpt, prefix)
-    if not select_layers(net):
-        raise LayerError("nothing to recompute in {}: {}".format(checkpoint, no_layer_message(net)))
-    net.to(opts.device or torch.device("cpu"))
-    batches = data if not isinstance(data, str) else resolve_data(data, data_kwargs, batch_size)
+    targets: List[str] = []
+    with _together(opts.timeout):
+        if distributed.is_main_process():
+            targets = _check_outputs(checkpoint, data, out, report_path, in_place, break_hardlinks)
+        ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
+        logger.info("%s", ckpt.describe())
+        net, prefix = _load_model(ckpt, model, model_kwargs, prefix)
+        net.to(opts.device or torch.device("cpu"))
+        with blamed_on(_label(data, "--data")):
+            source = resolve_data(data, data_kwargs, batch_size, seed=seed, augment=augment) \
+                if isinstance(data, str) else data
+        batches = BlamedBatches(source, _label(data, "--data"))
     if not distributed.is_main_process():
         opts = opts.replace(progress=False)
-    report = recalibrate(net, batches, opts)
+    calls = "" if opts.forward_fn is None else " through forward_fn {}".format(
+        getattr(opts.forward_fn, "__qualname__", opts.forward_fn))
+    report = _measure(net, batches, opts, _label(model, "--model") + calls)
     try:
         if distributed.is_main_process():
             apply_bn_stats(ckpt, prefix, bn_stats_of(net, report))
             set_provenance(ckpt, provenance(report))
-            save_checkpoint(ckpt, out, in_place=in_place)
+            save_checkpoint(ckpt, targets[0])
             if report_path:
-                write_report(report_path, report, ckpt, out, prefix)
+                write_report(targets[1], report, ckpt, out, prefix)
     finally:
         distributed.barrier()
     return report, out
 
 
+def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], out: str, report_path: Optional[str],
+                   in_place: bool, break_hardlinks: bool) -> List[str]:
+    """The checkpoint and report files to write, checked against the inputs (see
+    :func:`~precise_bn.checkpoint.paths.check_paths`)."""
+    read = data_files(data) if isinstance(data, str) else []
+    inputs = [("the checkpoint", checkpoint)] + [("--data", f) for f in read]
+    outputs = [("--in-place" if in_place else "--output", out)] + ([("--report", report_path)] if report_path else [])
+    return check_paths(inputs, outputs, in_place=in_place, break_hardlinks=break_hardlinks)
+
+
 def write_report(path: str, report: BNReport, ckpt: Checkpoint, output: str, prefix: str) -> None:
-    """The ``--report`` JSON: the files, then :meth:`BNReport.to_dict` (per-layer drift)."""
+    """The ``--report`` JSON: the files, then :meth:`BNReport.to_dict` (per-layer drift, with
+    the definition of every number under ``definitions``)."""
     body = {"checkpoint": ckpt.path, "output": output, "format": ckpt.format, "prefix": prefix}
     body.update(report.to_dict())
     text = json.dumps(body, indent=2).encode("utf-8")
     write_file(path, lambda handle: handle.write(text))
+    logger.info("wrote %s (the per-layer report)", path)

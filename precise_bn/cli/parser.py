@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 from .._version import __version__
+from ..options import DEFAULT_TIMEOUT
+from .data_specs import CROP_FRACTION
 from .demo import DEFAULT_STEPS
 from .job import DEFAULT_ITERS
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -16,6 +19,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError("expected a positive integer, got {!r}".format(text))
     if value <= 0:
         raise argparse.ArgumentTypeError("expected a positive integer, got {}".format(value))
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a positive number, got {!r}".format(text))
+    if not value > 0:
+        raise argparse.ArgumentTypeError("expected a positive number, got {}".format(text))
     return value
 
 
@@ -29,6 +42,92 @@ def _json_object(text: str) -> Dict[str, Any]:
     return value
 
 
+def _add_loading(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--key", help="where the state dict sits in a dict checkpoint (a/b when nested)")
+    p.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="allow the file to run code while loading (only for files you trust)",
+    )
+    p.add_argument(
+        "--caffe2-rules", metavar="MODULE:NAME",
+        help="layer-name rules from the input's names to the output's (Caffe2 -> module names "
+        "when reading a .pkl, module -> Caffe2 names when converting to one): a list of "
+        "(regex, replacement) or a function (default: the model-zoo ResNet names)",
+    )
+
+
+def _add_writing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--break-hardlinks", action="store_true",
+                   help="replace an output file that has other hard links (the other names keep the old "
+                   "content); refused by default")
+
+
+DATA_HELP = (
+    "package.module:callable (returns an iterable of batches), imagefolder:DIR or npz:FILE[:KEY]. "
+    "imagefolder: reads DIR/CLASS/IMAGE files; each image is resized to size/{:g} on its shorter side, "
+    "centre-cropped to size (224; --data-kwargs '{{\"size\": 160}}') and normalised with ImageNet's mean and "
+    "std: no random transform, so a rerun reads the same pixels".format(CROP_FRACTION)
+)
+FORWARD_HELP = (
+    "package.module:callable called as f(model, batch) for every batch. Default: a tensor -> model(batch); "
+    "(input, target, ...) -> model(batch[0]); {'input': x, ...} -> model(x); anything else -> model(batch)"
+)
+
+
+def _add_data(rec: argparse.ArgumentParser) -> None:
+    rec.add_argument("--data", required=True, help=DATA_HELP)
+    rec.add_argument("--data-kwargs", type=_json_object, default={}, metavar="JSON")
+    rec.add_argument("--batch-size", type=_positive_int, help="for the built-in data specs (default 32)")
+    rec.add_argument("--seed", type=int, help="shuffles the built-in data and seeds --augment (default 0); "
+                     "passed as seed= to a data factory that takes it")
+    rec.add_argument("--augment", action="store_true",
+                     help="imagefolder: the training transforms instead: a random resized crop of size "
+                     "(scale 0.08-1) and a horizontal flip, drawn for each image from --seed and its index, "
+                     "so a rerun still reads the same pixels")
+    calling = rec.add_mutually_exclusive_group()
+    calling.add_argument("--forward-fn", metavar="MODULE:CALLABLE", help=FORWARD_HELP)
+    calling.add_argument("--input-key", metavar="NAME", help="batches are dicts whose input is batch[NAME]: "
+                         "model(batch[NAME])")
+
+
+def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
+    rec = sub.add_parser("recompute", parents=[common], help="recalibrate a checkpoint's BN stats on training data")
+    rec.add_argument("checkpoint", help=".pt/.pth/.ckpt (PyTorch, Lightning), .safetensors or Caffe2 .pkl")
+    rec.add_argument("--model", required=True, help="package.module:callable, torchvision:NAME or timm:NAME")
+    rec.add_argument("--model-kwargs", type=_json_object, default={}, metavar="JSON")
+    _add_data(rec)
+    budget = rec.add_mutually_exclusive_group()
+    budget.add_argument("--num-batches", "--num-iters", dest="num_batches", type=_positive_int,
+                        help="batches to use (default {} when neither budget nor --rtol is given)".format(DEFAULT_ITERS))
+    budget.add_argument("--num-samples", type=_positive_int, help="samples to use (a batch is never cut)")
+    rec.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
+    rec.add_argument("--exact", action="store_true", help="measure each BN input in float64 (slower)")
+    rec.add_argument("--rtol", type=float, help="stop once every channel's relative standard error is below this "
+                     "(mean: stderr/std, variance: stderr/var); the budget still applies")
+    rec.add_argument("--min-batches", type=_positive_int, help="batches read before --rtol may stop the pass")
+    rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                     help="under torchrun, how long a rank waits for the others before failing "
+                     "(default %(default)g)")
+    where = rec.add_mutually_exclusive_group()
+    where.add_argument("--output", help="file to write (default: NAME.precise_bn.EXT next to the input)")
+    where.add_argument("--in-place", action="store_true",
+                       help="replace the input file (atomically; through a symbolic link, its target)")
+    rec.add_argument("--report", metavar="FILE.json", help="write the per-layer drift as JSON")
+    rec.add_argument("--prefix", help="the model's key prefix in the state dict (default: found by matching)")
+    _add_writing(rec)
+    _add_loading(rec)
+
+
+def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
+    ins = sub.add_parser("inspect", parents=[common], help="list BN layers and their stats, or the drift against another file")
+    ins.add_argument("checkpoint")
+    ins.add_argument("--against", metavar="OTHER", help="a second checkpoint: per-layer drift from CHECKPOINT to OTHER")
+    ins.add_argument("--plot", metavar="FILE.png", help="draw the drift per layer (needs --against and matplotlib)")
+    _add_writing(ins)
+    _add_loading(ins)
+    ins.set_defaults(command_parser=ins)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="precise-bn", description="Exact population BatchNorm statistics for saved checkpoints."
@@ -39,53 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors, no progress bar")
+    common.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
+    add_loading = _add_loading
 
-    def add_loading(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--key", help="where the state dict sits in a dict checkpoint (a/b when nested)")
-        p.add_argument(
-            "--trust-checkpoint", action="store_true",
-            help="allow the file to run code while loading (only for files you trust)",
-        )
-        p.add_argument(
-            "--caffe2-rules", metavar="MODULE:NAME",
-            help="layer-name rules from the input's names to the output's (Caffe2 -> module names "
-            "when reading a .pkl, module -> Caffe2 names when converting to one): a list of "
-            "(regex, replacement) or a function (default: the model-zoo ResNet names)",
-        )
-
-    rec = sub.add_parser("recompute", parents=[common], help="recalibrate a checkpoint's BN stats on training data")
-    rec.add_argument("checkpoint", help=".pt/.pth/.ckpt (PyTorch, Lightning), .safetensors or Caffe2 .pkl")
-    rec.add_argument("--model", required=True, help="package.module:callable, torchvision:NAME or timm:NAME")
-    rec.add_argument("--data", required=True, help="package.module:callable, imagefolder:DIR or npz:FILE[:KEY]")
-    rec.add_argument("--model-kwargs", type=_json_object, default={}, metavar="JSON")
-    rec.add_argument("--data-kwargs", type=_json_object, default={}, metavar="JSON")
-    budget = rec.add_mutually_exclusive_group()
-    budget.add_argument("--num-batches", "--num-iters", dest="num_batches", type=_positive_int,
-                        help="batches to use (default {} when neither budget nor --rtol is given)".format(DEFAULT_ITERS))
-    budget.add_argument("--num-samples", type=_positive_int, help="samples to use (a batch is never cut)")
-    rec.add_argument("--batch-size", type=_positive_int, help="for the built-in data specs (default 32)")
-    rec.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
-    rec.add_argument("--exact", action="store_true", help="measure each BN input in float64 (slower)")
-    rec.add_argument("--rtol", type=float, help="stop once every channel's relative standard error is below this "
-                     "(mean: stderr/std, variance: stderr/var); the budget still applies")
-    rec.add_argument("--min-batches", type=_positive_int, help="batches read before --rtol may stop the pass")
-    where = rec.add_mutually_exclusive_group()
-    where.add_argument("--output", help="file to write (default: NAME.precise_bn.EXT next to the input)")
-    where.add_argument("--in-place", action="store_true", help="replace the input file (atomically)")
-    rec.add_argument("--report", metavar="FILE.json", help="write the per-layer drift as JSON")
-    rec.add_argument("--prefix", help="the model's key prefix in the state dict (default: found by matching)")
-    add_loading(rec)
-
-    ins = sub.add_parser("inspect", parents=[common], help="list BN layers and their stats, or the drift against another file")
-    ins.add_argument("checkpoint")
-    ins.add_argument("--against", metavar="OTHER", help="a second checkpoint: per-layer drift from CHECKPOINT to OTHER")
-    ins.add_argument("--plot", metavar="FILE.png", help="draw the drift per layer (needs --against and matplotlib)")
-    add_loading(ins)
+    _add_recompute(sub, common)
+    _add_inspect(sub, common)
 
     con = sub.add_parser("convert", parents=[common], help="Caffe2 .pkl <-> PyTorch .pt / .safetensors (by extension)")
     con.add_argument("input")
     con.add_argument("output")
     con.add_argument("--strip-prefix", default="", help="drop this prefix from the keys (e.g. module.)")
+    unmapped = con.add_mutually_exclusive_group()
+    unmapped.add_argument("--keep-unmapped", action="store_true",
+                          help="write tensors whose names the rules do not map under their own names "
+                          "(default: fail and list them)")
+    unmapped.add_argument("--drop-unmapped", action="store_true",
+                          help="leave out tensors whose names the rules do not map (default: fail and list them)")
     add_loading(con)
 
     demo = sub.add_parser("demo", parents=[common], help="train a small BN network on handwritten digits and recalibrate it")
@@ -93,3 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--workdir", help="keep the demo's files here (default: a temporary folder)")
     return parser
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The arguments of ``argv``, with the checks argparse cannot express; a usage error raises
+    ``SystemExit(2)`` after printing the sub-command's usage."""
+    args = build_parser().parse_args(argv)
+    if args.command == "inspect" and args.plot and not args.against:
+        args.command_parser.error("--plot draws the drift between two checkpoints and needs --against OTHER")
+    return args

@@ -1,4 +1,4 @@
-"""What ``--model`` and ``--data`` name, turned into a module and an iterable of batches.
+"""What ``--model`` (and ``--forward-fn``, ``--caffe2-rules``) name, turned into Python objects.
 
 Model specs:
 
@@ -8,21 +8,7 @@ Model specs:
   video, segmentation, ...), built without weights since the checkpoint provides them.
 * ``timm:NAME``: ``timm.create_model(NAME, pretrained=False)``.
 
-Data specs:
-
-* ``package.module:callable``: returns an iterable of batches (a DataLoader, a list, ...);
-  ``--batch-size`` is passed as ``batch_size=`` when the callable takes that parameter.
-* ``imagefolder:DIR``: torchvision's ``ImageFolder`` with the usual *training* transforms
-  (random resized crop, horizontal flip, normalisation), because BN statistics must describe
-  the inputs the layers saw in training. Options (``--data-kwargs``): ``size``, ``scale``,
-  ``mean``, ``std``, ``shuffle``, ``seed``, ``drop_last``, ``num_workers``.
-* ``npz:FILE[:KEY]``: one array of a ``.npz`` (or a ``.npy``), split into batches along its
-  first axis; floating arrays become the default float dtype. Options: ``shuffle``, ``seed``,
-  ``drop_last`` (a last batch of one sample breaks a BatchNorm1d in training mode).
-
-Built-in data are shuffled with a fixed seed by default: a sample budget smaller than the data
-then sees a representative subset, not the first classes of a sorted folder. Under
-``torch.distributed`` each rank reads its own shard.
+A bare name (``resnet18``) is refused with the spec that most likely was meant.
 """
 from __future__ import annotations
 
@@ -32,20 +18,17 @@ import importlib.util
 import inspect
 import os
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional
 
-import torch
 from torch import nn
 
-from .. import distributed
 from ..errors import BackendUnavailableError, ConfigError
 
-DEFAULT_BATCH_SIZE = 32
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+MODEL_FORMS = "package.module:callable, torchvision:NAME or timm:NAME"
 
 
-def _import_optional(name: str, what: str) -> Any:
+def import_optional(name: str, what: str) -> Any:
+    """Import ``name`` or say how to install it, naming ``what`` needs it."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
@@ -83,14 +66,15 @@ def load_object(spec: str, option: str) -> Any:
 
 
 def load_callable(spec: str, option: str) -> Callable[..., Any]:
-    """:func:`load_object`, which must be callable (a model or data factory)."""
+    """:func:`load_object`, which must be callable (a model or data factory, a forward_fn)."""
     obj = load_object(spec, option)
     if not callable(obj):
         raise ConfigError("{} {!r}: {} is not callable".format(option, spec, type(obj).__name__))
     return obj
 
 
-def _call(factory: Callable[..., Any], kwargs: Mapping[str, Any], option: str, spec: str) -> Any:
+def call_factory(factory: Callable[..., Any], kwargs: Mapping[str, Any], option: str, spec: str) -> Any:
+    """``factory(**kwargs)``, after checking that its signature takes them."""
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as exc:
@@ -106,12 +90,30 @@ def _unknown_name(kind: str, name: str, names: List[str]) -> ConfigError:
     return ConfigError("--model {}:{}: no such model in {}{}".format(kind, name, kind, hint))
 
 
+def _model_names(kind: str) -> List[str]:
+    """The model names ``torchvision`` or ``timm`` offer, or [] when it is not installed."""
+    if importlib.util.find_spec(kind) is None:
+        return []
+    module = importlib.import_module(kind)
+    lister = getattr(module.models, "list_models", None) if kind == "torchvision" else module.list_models
+    return list(lister()) if lister is not None else []
+
+
+def _bare_model_name(spec: str) -> ConfigError:
+    for kind in ("torchvision", "timm"):
+        if spec in _model_names(kind):
+            return ConfigError("--model {!r}: expected {}; did you mean {}:{}?".format(spec, MODEL_FORMS, kind, spec))
+    return ConfigError("--model {!r}: expected {}".format(spec, MODEL_FORMS))
+
+
 def resolve_model(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> nn.Module:
     """Build the model ``spec`` names (see the module docstring), with ``kwargs``."""
     kwargs = dict(kwargs or {})
     kind, _, name = spec.partition(":")
-    if kind == "torchvision" and name:
-        torchvision = _import_optional("torchvision", "--model torchvision:NAME")
+    if not name:
+        raise _bare_model_name(spec)
+    if kind == "torchvision":
+        torchvision = import_optional("torchvision", "--model torchvision:NAME")
         models = torchvision.models
         if not hasattr(models, "list_models"):
             raise BackendUnavailableError(
@@ -124,154 +126,15 @@ def resolve_model(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> nn.M
             raise _unknown_name("torchvision", name, names)
         kwargs.setdefault("weights", None)
         model = models.get_model(name, **kwargs)
-    elif kind == "timm" and name:
-        timm = _import_optional("timm", "--model timm:NAME")
+    elif kind == "timm":
+        timm = import_optional("timm", "--model timm:NAME")
         names = timm.list_models()
         if name not in names:
             raise _unknown_name("timm", name, names)
         kwargs.setdefault("pretrained", False)
         model = timm.create_model(name, **kwargs)
     else:
-        model = _call(load_callable(spec, "--model"), kwargs, "--model", spec)
+        model = call_factory(load_callable(spec, "--model"), kwargs, "--model", spec)
     if not isinstance(model, nn.Module):
         raise ConfigError("--model {!r} returned a {}, not an nn.Module".format(spec, type(model).__name__))
     return model
-
-
-def _options(spec: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict[str, Any]:
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ConfigError(
-            "--data-kwargs for {!r}: unknown option(s) {}; known: {}".format(
-                spec, ", ".join(unknown), ", ".join(sorted(defaults))
-            )
-        )
-    out = dict(defaults)
-    out.update(given)
-    return out
-
-
-def _loader(dataset: Any, batch_size: int, options: Mapping[str, Any]) -> Iterable[Any]:
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    sampler = DistributedSampler(
-        dataset,
-        num_replicas=distributed.get_world_size(),
-        rank=distributed.get_rank(),
-        shuffle=bool(options["shuffle"]),
-        seed=int(options["seed"]),
-    )
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=int(options.get("num_workers", 0)),
-        drop_last=bool(options["drop_last"]),
-    )
-
-
-def _split_npz(rest: str) -> Tuple[str, Optional[str]]:
-    head, sep, tail = rest.rpartition(":")
-    if sep and head.lower().endswith((".npz", ".npy")) and tail:
-        return head, tail
-    return rest, None
-
-
-def _npz_data(spec: str, rest: str, kwargs: Mapping[str, Any], batch_size: int) -> Iterable[Any]:
-    import numpy as np
-
-    options = _options(spec, kwargs, {"shuffle": True, "seed": 0, "drop_last": False})
-    path, key = _split_npz(rest)
-    try:
-        loaded = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("--data {!r}: cannot read {}: {}".format(spec, path, exc)) from exc
-    if isinstance(loaded, np.ndarray):
-        if key is not None:
-            raise ConfigError("--data {!r}: {} is a single .npy array, it has no key {!r}".format(spec, path, key))
-        array = loaded
-    else:
-        with loaded:
-            names = list(loaded.files)
-            if key is None and len(names) != 1:
-                raise ConfigError(
-                    "--data {!r}: {} holds {} arrays ({}); name one with npz:{}:KEY".format(
-                        spec, path, len(names), ", ".join(names), path
-                    )
-                )
-            key = names[0] if key is None else key
-            if key not in names:
-                raise ConfigError("--data {!r}: {} has no array {!r}; it has {}".format(spec, path, key, ", ".join(names)))
-            try:
-                array = loaded[key]
-            except ValueError as exc:
-                raise ConfigError("--data {!r}: array {!r}: {}".format(spec, key, exc)) from exc
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if tensor.is_floating_point():
-        tensor = tensor.to(torch.get_default_dtype())
-    if tensor.dim() == 0 or len(tensor) == 0:
-        raise ConfigError("--data {!r}: the array is empty or a scalar, there are no samples".format(spec))
-    from torch.utils.data import TensorDataset
-
-    return _loader(TensorDataset(tensor), batch_size, options)
-
-
-def _imagefolder_data(spec: str, folder: str, kwargs: Mapping[str, Any], batch_size: int) -> Iterable[Any]:
-    options = _options(
-        spec,
-        kwargs,
-        {
-            "size": 224,
-            "scale": (0.08, 1.0),
-            "mean": IMAGENET_MEAN,
-            "std": IMAGENET_STD,
-            "shuffle": True,
-            "seed": 0,
-            "drop_last": False,
-            "num_workers": 0,
-        },
-    )
-    torchvision = _import_optional("torchvision", "--data imagefolder:DIR")
-    T = torchvision.transforms
-    transform = T.Compose(
-        [
-            T.RandomResizedCrop(options["size"], scale=tuple(options["scale"])),
-            T.RandomHorizontalFlip(),
-            T.ToTensor(),
-            T.Normalize(list(options["mean"]), list(options["std"])),
-        ]
-    )
-    try:
-        dataset = torchvision.datasets.ImageFolder(folder, transform=transform)
-    except (FileNotFoundError, OSError) as exc:
-        raise ConfigError("--data {!r}: {}".format(spec, exc)) from exc
-    return _loader(dataset, batch_size, options)
-
-
-def resolve_data(
-    spec: str, kwargs: Optional[Mapping[str, Any]] = None, batch_size: Optional[int] = None
-) -> Iterable[Any]:
-    """The batches ``spec`` names (see the module docstring)."""
-    kwargs = dict(kwargs or {})
-    kind, _, rest = spec.partition(":")
-    if kind == "npz" and rest:
-        return _npz_data(spec, rest, kwargs, batch_size or DEFAULT_BATCH_SIZE)
-    if kind == "imagefolder" and rest:
-        return _imagefolder_data(spec, rest, kwargs, batch_size or DEFAULT_BATCH_SIZE)
-    factory = load_callable(spec, "--data")
-    if batch_size is not None:
-        try:
-            parameters = inspect.signature(factory).parameters
-        except ValueError:
-            parameters = {}
-        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
-        if "batch_size" not in parameters and not takes_kwargs:
-            raise ConfigError(
-                "--batch-size: the data factory {!r} takes no batch_size parameter; set the batch "
-                "size in the factory or through --data-kwargs".format(spec)
-            )
-        kwargs.setdefault("batch_size", batch_size)
-    data = _call(factory, kwargs, "--data", spec)
-    if not hasattr(data, "__iter__"):
-        raise ConfigError("--data {!r} returned a {}, which is not iterable".format(spec, type(data).__name__))
-    return data

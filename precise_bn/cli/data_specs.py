@@ -1,0 +1,210 @@
+"""What ``--data`` names, turned into an iterable of batches: the same command reads the same batches.
+
+Data specs:
+
+* ``package.module:callable``: returns an iterable of batches (a DataLoader, a list, ...);
+  ``--batch-size`` and ``--seed`` are passed as ``batch_size=`` and ``seed=`` when the callable
+  takes those parameters.
+* ``imagefolder:DIR``: torchvision's ``ImageFolder`` (``DIR/CLASS/IMAGE``). By default the
+  usual evaluation transform, which has no randomness: the shorter side resized to
+  ``size / 0.875``, a centre crop of ``size``, normalisation by ``mean`` and ``std``. With
+  ``--augment``, the usual training transforms instead (a random resized crop of ``size`` with
+  ``scale``, a horizontal flip), drawn for sample ``i`` from a generator seeded by
+  ``(--seed, i)``: the same crops in every run, whatever the order, workers or ranks.
+  Options (``--data-kwargs``): ``size`` (224), ``scale``, ``mean``, ``std`` (ImageNet's),
+  ``shuffle``, ``drop_last``, ``num_workers``.
+* ``npz:FILE[:KEY]``: one array of a ``.npz`` (or a ``.npy``), split into batches along its
+  first axis; floating arrays become the default float dtype. Options: ``shuffle``,
+  ``drop_last`` (a last batch of one sample breaks a BatchNorm1d in training mode).
+
+Built-in data are shuffled with ``--seed`` (default 0): a sample budget smaller than the data
+then sees a representative subset, not the first classes of a sorted folder, and the same seed
+gives the same batches. Under ``torch.distributed`` each rank reads its own shard.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from .. import distributed
+from ..errors import ConfigError
+from .specs import call_factory, import_optional, load_callable
+
+DEFAULT_BATCH_SIZE = 32
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+#: The evaluation transform resizes to ``size / CROP_FRACTION`` before its centre crop (256 for 224).
+CROP_FRACTION = 0.875
+DATA_FORMS = "package.module:callable, imagefolder:DIR or npz:FILE[:KEY]"
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _options(spec: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict[str, Any]:
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ConfigError("--data-kwargs for {!r}: unknown option(s) {}; known: {} (--seed, --augment and "
+                          "--batch-size are flags)".format(spec, ", ".join(unknown), ", ".join(sorted(defaults))))
+    out = dict(defaults)
+    out.update(given)
+    return out
+
+
+def _loader(dataset: Any, batch_size: int, options: Mapping[str, Any], seed: int) -> Iterable[Any]:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=distributed.get_world_size(), rank=distributed.get_rank(),
+                                 shuffle=bool(options["shuffle"]), seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=int(options.get("num_workers", 0)),
+                      drop_last=bool(options["drop_last"]))
+
+
+class SeededSamples(torch.utils.data.Dataset):
+    """``dataset[i]`` computed with torch's generator seeded from ``(seed, i)`` and restored
+    after: random transforms give each sample the same draw in every run."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hash((self.seed, int(index))))  # ints hash alike in every process
+            return self.dataset[index]
+
+
+def _split_npz(rest: str) -> Tuple[str, Optional[str]]:
+    head, sep, tail = rest.rpartition(":")
+    if sep and head.lower().endswith((".npz", ".npy")) and tail:
+        return head, tail
+    return rest, None
+
+
+def _npz_array(spec: str, path: str, key: Optional[str]) -> Any:
+    import numpy as np
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--data {!r}: cannot read {}: {}".format(spec, path, exc)) from exc
+    if isinstance(loaded, np.ndarray):
+        if key is not None:
+            raise ConfigError("--data {!r}: {} is a single .npy array, it has no key {!r}".format(spec, path, key))
+        return loaded
+    with loaded:
+        names = list(loaded.files)
+        if key is None and len(names) != 1:
+            raise ConfigError("--data {!r}: {} holds {} arrays ({}); name one with npz:{}:KEY".format(
+                spec, path, len(names), ", ".join(names), path))
+        key = names[0] if key is None else key
+        if key not in names:
+            raise ConfigError("--data {!r}: {} has no array {!r}; it has {}".format(spec, path, key, ", ".join(names)))
+        try:
+            return loaded[key]
+        except ValueError as exc:
+            raise ConfigError("--data {!r}: array {!r}: {}".format(spec, key, exc)) from exc
+
+
+def _npz_data(spec: str, rest: str, kwargs: Mapping[str, Any], batch_size: int, seed: int) -> Iterable[Any]:
+    import numpy as np
+    from torch.utils.data import TensorDataset
+
+    options = _options(spec, kwargs, {"shuffle": True, "drop_last": False})
+    tensor = torch.from_numpy(np.ascontiguousarray(_npz_array(spec, *_split_npz(rest))))
+    if tensor.is_floating_point():
+        tensor = tensor.to(torch.get_default_dtype())
+    if tensor.dim() == 0 or len(tensor) == 0:
+        raise ConfigError("--data {!r}: the array is empty or a scalar, there are no samples".format(spec))
+    return _loader(TensorDataset(tensor), batch_size, options, seed)
+
+
+def _check_image_folder(spec: str, folder: str) -> None:
+    """A folder of class folders, not a class folder itself (the usual slip)."""
+    if not os.path.isdir(folder):
+        raise ConfigError("--data {!r}: {} is not a folder".format(spec, folder))
+    entries = os.listdir(folder)
+    if any(os.path.isdir(os.path.join(folder, e)) for e in entries):
+        return
+    if any(e.lower().endswith(IMAGE_EXTENSIONS) for e in entries):
+        raise ConfigError("--data {!r}: {} holds images itself, but imagefolder: reads one subfolder per class "
+                          "(DIR/CLASS/IMAGE); did you mean imagefolder:{}?".format(
+                              spec, folder, os.path.dirname(os.path.abspath(folder))))
+    raise ConfigError("--data {!r}: {} has no class subfolders (DIR/CLASS/IMAGE)".format(spec, folder))
+
+
+def _imagefolder_data(spec: str, folder: str, kwargs: Mapping[str, Any], batch_size: int, seed: int,
+                      augment: bool) -> Iterable[Any]:
+    options = _options(spec, kwargs, {"size": 224, "scale": (0.08, 1.0), "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
+                                      "shuffle": True, "drop_last": False, "num_workers": 0})
+    torchvision = import_optional("torchvision", "--data imagefolder:DIR")
+    T = torchvision.transforms
+    size = int(options["size"])
+    if augment:
+        crop = [T.RandomResizedCrop(size, scale=tuple(options["scale"])), T.RandomHorizontalFlip()]
+    else:
+        crop = [T.Resize(round(size / CROP_FRACTION)), T.CenterCrop(size)]
+    transform = T.Compose(crop + [T.ToTensor(), T.Normalize(list(options["mean"]), list(options["std"]))])
+    _check_image_folder(spec, folder)
+    try:
+        dataset = torchvision.datasets.ImageFolder(folder, transform=transform)
+    except (FileNotFoundError, OSError) as exc:
+        raise ConfigError("--data {!r}: {}".format(spec, exc)) from exc
+    return _loader(SeededSamples(dataset, seed) if augment else dataset, batch_size, options, seed)
+
+
+def _bare_data_spec(spec: str) -> ConfigError:
+    if os.path.isdir(spec):
+        hint = "; did you mean imagefolder:{}?".format(spec)
+    elif spec.lower().endswith((".npz", ".npy")):
+        hint = "; did you mean npz:{}?".format(spec)
+    else:
+        hint = ""
+    return ConfigError("--data {!r}: expected {}{}".format(spec, DATA_FORMS, hint))
+
+
+def _factory_data(spec: str, kwargs: Dict[str, Any], batch_size: Optional[int], seed: Optional[int]) -> Iterable[Any]:
+    factory = load_callable(spec, "--data")
+    try:
+        parameters = inspect.signature(factory).parameters
+    except ValueError:
+        parameters = {}  # type: ignore[assignment]
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    for flag, name, value in (("--batch-size", "batch_size", batch_size), ("--seed", "seed", seed)):
+        if value is None:
+            continue
+        if name not in parameters and not takes_kwargs:
+            raise ConfigError("{}: the data factory {!r} takes no {} parameter; set it in the factory or through "
+                              "--data-kwargs".format(flag, spec, name))
+        kwargs.setdefault(name, value)
+    data = call_factory(factory, kwargs, "--data", spec)
+    if not hasattr(data, "__iter__"):
+        raise ConfigError("--data {!r} returned a {}, which is not iterable".format(spec, type(data).__name__))
+    return data
+
+
+def resolve_data(spec: str, kwargs: Optional[Mapping[str, Any]] = None, batch_size: Optional[int] = None, *,
+                 seed: Optional[int] = None, augment: bool = False) -> Iterable[Any]:
+    """The batches ``spec`` names (see the module docstring); ``seed`` None means 0 for the
+    built-in specs and nothing passed to a factory."""
+    kwargs = dict(kwargs or {})
+    kind, sep, rest = spec.partition(":")
+    if not sep:
+        raise _bare_data_spec(spec)
+    if augment and kind != "imagefolder":
+        raise ConfigError("--augment: only imagefolder: data have built-in augmentation; --data {!r} decides its "
+                          "own".format(spec))
+    if kind == "npz" and rest:
+        return _npz_data(spec, rest, kwargs, batch_size or DEFAULT_BATCH_SIZE, seed or 0)
+    if kind == "imagefolder" and rest:
+        return _imagefolder_data(spec, rest, kwargs, batch_size or DEFAULT_BATCH_SIZE, seed or 0, augment)
+    return _factory_data(spec, kwargs, batch_size, seed)
+
+
+def data_files(spec: str) -> List[str]:
+    """The files a data spec reads directly (an ``npz:`` file), which no output may replace."""
+    kind, _, rest = spec.partition(":")
+    return [_split_npz(rest)[0]] if kind == "npz" and rest else []

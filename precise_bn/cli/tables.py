@@ -1,0 +1,30 @@
+"""Text the commands print: aligned tables, counted nouns, and what each reported number means."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from ..report import DEFINITIONS
+
+#: Column titles of the report tables, and the :data:`~precise_bn.report.DEFINITIONS` entry of each.
+COLUMNS = {"mean drift": "mean_drift", "var drift": "var_drift", "mean se/std": "mean_rel_stderr",
+           "var se/var": "var_rel_stderr"}
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 BatchNorm layer``, ``3 BatchNorm layers``."""
+    return "{} {}{}".format(count, noun, "" if count == 1 else "s")
+
+
+def table(rows: List[Sequence[str]]) -> str:
+    """Rows as columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    )
+
+
+def legend(titles: Sequence[str]) -> str:
+    """What the columns ``titles`` hold, one line each, indented under a table."""
+    width = max(len(t) for t in titles)
+    return "\n".join("  {:<{w}}  {}".format(t, DEFINITIONS[COLUMNS[t]], w=width) for t in titles)

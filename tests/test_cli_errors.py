@@ -1,0 +1,172 @@
+"""Every failure of the command is one line naming the file, layer or argument, and for the
+user's own code the exception's type, message and origin; ``--debug`` adds the traceback."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import cli_factories
+from cli_factories import OneSampleHead, batches, small_net
+from cli_helpers import TRUST, load, run_cli
+from precise_bn.checkpoint.formats import detect_format
+from precise_bn.cli.failures import one_line
+from precise_bn.cli.tables import table
+from reference import assert_close_default, float64_reference
+
+FACTORIES = ["--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
+
+
+def _one_line_error(result, code=1):
+    """The error line: the last one on stderr (log lines may come before it), and no traceback."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code and lines and lines[-1].startswith("precise-bn: error: "), result
+    assert "Traceback" not in result.stderr and sum(line.startswith("precise-bn: error") for line in lines) == 1
+    return lines[-1]
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "c.pt"
+    torch.save({"model": small_net().state_dict()}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_file_size_limit_during_the_save_is_one_line_and_leaves_nothing(ckpt, tmp_path, capsys, legacy):
+    path = tmp_path / "old.pt"
+    torch.save({"model": small_net().state_dict()}, str(path), _use_new_zipfile_serialization=not legacy)
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"previous")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # smaller than the checkpoint: EFBIG
+    try:
+        result = run_cli(capsys, "recompute", path, *FACTORIES, "--output", out, "-q", *TRUST)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    line = _one_line_error(result)
+    assert "{}: writing failed (File too large)".format(out) in line
+    assert out.read_bytes() == b"previous" and sorted(os.listdir(tmp_path)) == ["c.pt", "old.pt", "out.pt"]
+
+
+def test_malformed_provenance_is_shown_not_fatal(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    state = small_net().state_dict()
+    torch.save({"model": state, "precise_bn": "recomputed, trust me"}, str(tmp_path / "a.pt"))
+    torch.save({"model": state, "precise_bn": {"iterations": torch.tensor(3)}}, str(tmp_path / "b.pt"))
+    save_file(dict(state), str(tmp_path / "c.safetensors"), metadata={"precise_bn": "{not json"})
+    for name, shown in (("a.pt", "'recomputed, trust me'"), ("b.pt", "'iterations': tensor(3)"),
+                        ("c.safetensors", "'{not json'")):
+        result = run_cli(capsys, "inspect", tmp_path / name, *TRUST)
+        assert result.returncode == 0 and result.stderr == "", result
+        assert "precise_bn entry, not in the form precise-bn writes" in result.stdout and shown in result.stdout
+        assert "3 BatchNorm layers" in result.stdout
+
+
+def test_cuda_without_cuda_is_refused_before_anything_runs(ckpt, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cli_factories.READ["batches"] = 0
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:counted_batches", "--device", "cuda", *TRUST)
+    assert "device 'cuda': this machine or torch build has no CUDA device" in _one_line_error(result)
+    assert cli_factories.READ["batches"] == 0
+
+
+def test_a_batch_the_model_rejects_names_model_batch_origin_and_fix(ckpt, tmp_path, capsys):
+    np.savez(str(tmp_path / "d.npz"), x=np.random.default_rng(0).normal(size=(9, 3, 8, 8)).astype(np.float32))
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "npz:{}".format(tmp_path / "d.npz"), "--batch-size", "4", *TRUST)
+    line = _one_line_error(result)
+    assert "--model 'cli_factories:small_net' on batch 3 raised ValueError: Expected more than 1 value per channel" in line
+    assert "(raised at torch/nn/functional.py:" in line and '"drop_last": true' in line
+    assert not (tmp_path / "c.precise_bn.pt").exists()
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "npz:{}".format(tmp_path / "d.npz"), "--batch-size", "4", "--data-kwargs", '{"drop_last": true}',
+                     "-q", *TRUST)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_users_own_line_is_named_when_a_library_raised(tmp_path, capsys):
+    path = tmp_path / "h.pt"
+    torch.save(OneSampleHead().state_dict(), str(path))
+    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:one_sample_head", "--data",
+                     "cli_factories:batches", *TRUST)
+    line = _one_line_error(result)
+    source, number = OneSampleHead.forward.__code__.co_filename, OneSampleHead.forward.__code__.co_firstlineno
+    here = "from {}:{} in forward".format(os.path.relpath(source), number + 2)
+    assert "on batch 1 raised ValueError" in line and "functional.py" in line and here in line
+
+
+@pytest.mark.parametrize("model,data,needle", [
+    ("cli_factories:small_net", "cli_factories:broken_batches",
+     "--data 'cli_factories:broken_batches' (reading batch 3) raised OSError: [Errno 5] Input/output error reading "
+     "shard 2 (raised at {factories}:"),
+    ("cli_factories:broken_factory", "cli_factories:batches",
+     "--model 'cli_factories:broken_factory' raised RuntimeError: weights server unreachable (raised at "
+     "{factories}:"),
+], ids=["data", "model factory"])
+def test_errors_of_the_users_data_and_factories_name_them(ckpt, tmp_path, capsys, model, data, needle):
+    result = run_cli(capsys, "recompute", ckpt, "--model", model, "--data", data, *TRUST)
+    assert needle.format(factories=os.path.relpath(cli_factories.__file__)) in _one_line_error(result)
+    assert not (tmp_path / "c.precise_bn.pt").exists()
+
+
+def test_debug_adds_the_traceback(ckpt, capsys):
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:broken_batches", "--debug", *TRUST)
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr and "in broken_batches" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("precise-bn: error: --data")
+
+
+def test_files_that_are_not_checkpoints_say_what_they_are(tmp_path, capsys):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "run.ckpt").mkdir()
+    (tmp_path / "gone.pt").symlink_to("nowhere.pt")
+    for name, needle in (("empty.pt", "the file is empty (0 bytes)"), ("run.ckpt", "is a folder, not a checkpoint"),
+                         ("gone.pt", "no such checkpoint file")):
+        for command in (["recompute", tmp_path / name, *FACTORIES], ["inspect", tmp_path / name]):
+            assert "{}: {}".format(tmp_path / name, needle) in _one_line_error(run_cli(capsys, *command, *TRUST))
+
+
+def test_a_legacy_torch_file_named_pkl_is_read_as_one(tmp_path, capsys):
+    torch.manual_seed(0)
+    net = small_net()
+    path = tmp_path / "model.pkl"
+    torch.save({"state_dict": net.state_dict(), "epoch": 9}, str(path), _use_new_zipfile_serialization=False)
+    result = run_cli(capsys, "recompute", path, *FACTORIES, "-q", *TRUST)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "model.precise_bn.pkl"
+    assert out.read_bytes()[:2] == b"\x80\x02"  # still a legacy torch.save file, as the input
+    written = load(out)
+    assert written["epoch"] == 9
+    for name, (mean, var, _) in float64_reference(net, batches()).items():
+        assert_close_default(written["state_dict"][name + ".running_mean"], written["state_dict"][name + ".running_var"],
+                             mean, var, name)
+    assert detect_format(str(out)) == "torch"  # and read back as one, not as a Caffe2 pickle
+
+
+def test_ctrl_c_and_sigterm_stop_with_their_exit_status_and_write_nothing(ckpt, tmp_path, capsys):
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:interrupted_batches", *TRUST)
+    assert result.returncode == 130 and result.stderr.strip().endswith("precise-bn: interrupted")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:terminated_batches", *TRUST)
+    assert result.returncode == 128 + signal.SIGTERM and "stopped by a termination signal" in result.stderr
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+
+
+def test_an_error_inside_precise_bn_is_one_line_with_its_place():
+    with pytest.raises(IndexError) as raised:
+        table([])
+    line = one_line(raised.value)
+    assert line.startswith("IndexError: list index out of range (raised at precise_bn/cli/tables.py:")
+    assert line.endswith("; --debug shows the traceback")
