@@ -7,6 +7,12 @@
 Stats are recomputed only when ``curr_iter`` changed since the last call; a second call at the
 same iteration re-applies the cached stats without running a forward (see
 :mod:`precise_bn.step_cache`).
+
+Users of video-nonlocal-net's helper change only the import line
+(``from precise_bn import helper as bn_helper``): ``BatchNormHelper()`` reads the original's
+global config and ``create_bn_aux_model(node_id=...)`` builds the aux net with the original's
+model builder, both found where the training script loaded them
+(:mod:`precise_bn.caffe2.original`), or fails at once with the line that replaces it.
 """
 from __future__ import annotations
 
@@ -76,11 +82,13 @@ def _settings(cfg: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
 class BatchNormHelper:
     """Recompute precise BN stats periodically, on the ``"torch"`` or ``"caffe2"`` backend.
 
-    Settings come from ``cfg`` (the original keys, see :data:`CONFIG_KEYS`) and are overridden
-    by keyword arguments: ``iters``, ``bn_epsilon``, ``num_gpus``, ``root_gpu_id``,
+    Settings come from ``cfg`` (the original keys, see :data:`CONFIG_KEYS`; without ``cfg``, the
+    original tool's global ``core.config.config`` when its training script loaded it) and are
+    overridden by keyword arguments: ``iters``, ``bn_epsilon``, ``num_gpus``, ``root_gpu_id``,
     ``log_period``, ``device_prefix``. Every other keyword argument is an option of
     :func:`precise_bn.recompute` (``exact``, ``rtol``, ``sync``, ``device``...), checked now.
-    ``backend=None`` picks the backend from the model given to :meth:`create_bn_aux_model`.
+    ``backend=None`` picks the backend from the model given to :meth:`create_bn_aux_model`:
+    torch for an ``nn.Module``, caffe2 for anything else (a Caffe2 net, or no model at all).
     On the torch backend ``bn_epsilon``, ``num_gpus`` and ``root_gpu_id`` are carried by the
     modules themselves and only matter to the Caffe2 backend.
     """
@@ -89,6 +97,11 @@ class BatchNormHelper:
         if backend is not None and backend not in BACKENDS:
             raise ConfigError("backend must be 'torch', 'caffe2' or None, got {!r}".format(backend))
         self.backend = backend
+        if cfg is None:
+            from .caffe2.original import original_config
+
+            cfg = original_config()
+        self.cfg = cfg
         self.settings = _settings(cfg, kwargs)
         self.options = Options.build("BatchNormHelper", num_batches=self.settings["iters"],
                                      log_period=self.settings["log_period"], **kwargs)
@@ -108,13 +121,23 @@ class BatchNormHelper:
     def runs(self) -> int:
         return self.cache.runs
 
-    def create_bn_aux_model(self, model: Any, data: Any = None, **kwargs: Any) -> Any:
+    def create_bn_aux_model(self, model: Any = None, data: Any = None, *, node_id: Optional[int] = None,
+                            **kwargs: Any) -> Any:
         """Prepare the forward-only aux pass over ``model`` and return the aux object.
 
         torch: ``model`` is the ``nn.Module`` (its BN layers are checked now), ``data`` an
         iterable of batches (re-iterated when it runs out); ``kwargs`` are more options of
         :func:`precise_bn.recompute`. caffe2: see :class:`precise_bn.caffe2.backend.Caffe2AuxModel`.
+        No ``model`` (the original's ``create_bn_aux_model(node_id=...)``): the aux net is built
+        as the original builds it (:func:`precise_bn.caffe2.original.build_original_aux_model`).
         """
+        if model is None and self.backend != "torch":
+            from .caffe2.original import build_original_aux_model
+
+            model = build_original_aux_model(self.cfg, 0 if node_id is None else node_id)
+        elif node_id is not None:
+            raise ConfigError("create_bn_aux_model: node_id only tells the original's model builder which data shard "
+                              "to read; with a model given, drop it: bn_aux.create_bn_aux_model(model)")
         backend = self.backend or ("torch" if isinstance(model, nn.Module) else "caffe2")
         options = self.options.replace(**kwargs) if kwargs else self.options
         if backend == "torch":

@@ -50,9 +50,13 @@ def _device(value: Any) -> Optional[torch.device]:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError("device {!r} is not a device: {}".format(value, exc)) from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device {!r}: this machine or torch build has no CUDA device "
-                          "(torch.cuda.is_available() is False); use 'cpu'".format(str(value)))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device {!r}: this machine or torch build has no CUDA device "
+                              "(torch.cuda.is_available() is False); use 'cpu'".format(str(value)))
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError("device {!r}: there are only {} CUDA device(s), numbered from 0".format(
+                str(value), torch.cuda.device_count()))
     return device
 
 

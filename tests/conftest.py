@@ -7,6 +7,12 @@ even collected when the run's ``-m`` expression excludes its marker.
 """
 from __future__ import annotations
 
+import torch
+
+# The tests' tensors are small: one thread each. Several threads per process spin-wait for one
+# another, which on a loaded machine (other jobs, or CI's two cores) makes them many times slower.
+torch.set_num_threads(1)
+
 ENV_MARKERS = ("main_env", "caffe2_env")
 
 

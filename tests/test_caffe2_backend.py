@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import sys
+import types
+import warnings
 
 import numpy as np
 import pytest
@@ -16,10 +18,14 @@ import torch
 from torch import nn
 
 from precise_bn import BatchNormHelper, update_bn_stats
-from precise_bn.errors import BackendUnavailableError, ConfigError, LayerError, NonFiniteStatsError
-from reference import _check, ulp32
+from precise_bn.caffe2.stats import UNTRUSTED_RTOL, decode_saved_stats, untrusted_channels
+from precise_bn.errors import BackendUnavailableError, ConfigError, LayerError, NonFiniteStatsError, PreciseBNWarning
+from precise_bn.estimator import PopulationStats
+from reference import _check, assert_close_exact, ulp32
 
 caffe2_env = pytest.mark.caffe2_env
+# Caffe2's own modules use numpy aliases and inspect functions that are deprecated; ours are not.
+pytestmark = pytest.mark.filterwarnings(r"ignore::DeprecationWarning:caffe2\.python")
 EPS = 1e-5
 U32 = 2.0 ** -24
 
@@ -360,9 +366,20 @@ def _rank_worker(rank, world, init_file, out_dir):
     except Exception as exc:  # the type is what the parent checks
         error = type(exc).__name__
     unchanged = all(fed(c2, "", layer)[1].tobytes() == stats[layer + "_riv"].tobytes() for layer in inputs)
+    # rank 0 alone would distrust its mean/std = 100 channels; merged with rank 1's wide spread
+    # they are fine, and both ranks must say the same
+    rng = np.random.RandomState(rank)
+    spread = [{"data": (100.0 + rng.randn(4, 3, 6, 6) * (1 + 49 * rank)).astype(np.float32)} for _ in range(2)]
+    untrusted = []
+    for sync in (True, False):
+        checked = BatchNormHelper(backend="caffe2", iters=2, sync=sync)
+        checked.create_bn_aux_model(model, spread)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PreciseBNWarning)
+            untrusted += [checked.compute_and_update_bn_stats()[layer].untrusted for layer in inputs]
     path = str(out_dir / "rank{}.npz".format(rank))
     np.savez(path, world_size=report.world_size, samples=report.samples, error=error,
-             unchanged=unchanged, **stats)
+             unchanged=unchanged, untrusted=np.array([len(u) for u in untrusted]), **stats)
     dist.destroy_process_group()
 
 
@@ -392,6 +409,8 @@ def test_ranks_merge_exactly_end_identical_and_fail_together(c2, tmp_path):
         assert int(result["world_size"]) == world and int(result["samples"]) == sum(map(sum, RANK_BATCHES))
         assert bool(result["unchanged"])
     assert [str(r["error"]) for r in results] == ["DistributedError", "NonFiniteStatsError"]
+    # merged: nothing to distrust on either rank; each rank alone (sync=False): rank 0's "in" layer
+    assert [r["untrusted"].tolist() for r in results] == [[0, 0, 0, 3, 0, 0], [0, 0, 0, 0, 0, 0]]
 
 
 # Torch twin of the Caffe2 model-zoo ResNet below, with torchvision's module names.
@@ -484,3 +503,234 @@ def test_backend_without_caffe2_says_how_to_get_it():
     helper = BatchNormHelper(backend="caffe2", iters=2)
     with pytest.raises(BackendUnavailableError, match="torch==1.10.2"):
         helper.create_bn_aux_model(object())
+
+
+# ---------------------------------------------------------------- exact path and untrusted channels
+
+
+def shifted_data(iters, means, seed=3, sizes=(5, 3)):
+    """One feed per iteration, two devices; channel c has std (1, 2, 0.5)[c] and mean ``means[c]``
+    (plus a device offset of one std)."""
+    rng = np.random.RandomState(seed)
+    std = np.array([1.0, 2.0, 0.5]).reshape(1, 3, 1, 1)
+    mean = np.asarray(means, np.float64).reshape(1, 3, 1, 1)
+    feeds = []
+    for _ in range(iters):
+        feeds.append({"gpu_{}/data".format(d): (mean + (d + rng.randn(n, 3, 6, 6)) * std).astype(np.float32)
+                      for d, n in enumerate(sizes)})
+    return feeds
+
+
+def aux_reference(c2, aux, feeds, inputs):
+    """Float64 stats of every SpatialBN input as the aux net itself produces them (its exact
+    path normalises shifted inputs, which changes the float32 rounding later layers see)."""
+    ref = forward_reference(c2, aux.net, feeds, inputs)
+    return {layer: tuple(torch.from_numpy(np.asarray(v, np.float64)) for v in values[:2])
+            for layer, values in ref.items()}
+
+
+@caffe2_env
+@pytest.mark.parametrize("ratio", [1e2, 1e3, 3e3, 1e4])
+def test_exact_meets_the_exact_bound_where_the_kernel_cannot(c2, ratio):
+    """mean/std = ratio in every channel of the first layer: Caffe2's kernel loses the variance
+    (NaN at 1e4); the exact path stays within 1e-7 of a float64 two-pass reference, on every
+    layer, on both devices."""
+    model, inputs = two_device_model(c2)
+    feeds = shifted_data(3, ratio * np.array([1.0, -2.0, 0.5]))
+    helper = BatchNormHelper(backend="caffe2", iters=3, num_gpus=2, exact=True)
+    aux = helper.create_bn_aux_model(model, feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreciseBNWarning)
+        report = helper.compute_and_update_bn_stats()
+    assert report.estimator == "caffe2-exact" and report.batches == 3
+    result = {(d, layer): fed(c2, d, layer) for d in ("gpu_0", "gpu_1") for layer in ("in", "conv1", "conv2")}
+    ref = aux_reference(c2, aux, feeds, inputs)  # runs the net again: its SpatialBNs move the running stats
+    for layer in ("in", "conv1", "conv2"):
+        rm, riv = result["gpu_0", layer]
+        other = result["gpu_1", layer]
+        assert rm.tobytes() == other[0].tobytes() and riv.tobytes() == other[1].tobytes(), layer
+        assert_close_exact(torch.from_numpy(rm), torch.from_numpy(riv), *ref[layer], layer)
+        assert report[layer].untrusted == []
+    assert result["gpu_0", "conv1"][1][2] == 0.0  # the dead channel
+    data = np.concatenate([np.moveaxis(f[k], 1, 0).reshape(3, -1) for f in feeds for k in sorted(f)], 1)
+    assert np.abs(ref["in"][0].numpy() / np.sqrt(ref["in"][1].numpy()) / ratio).min() > 0.4
+    assert ref["in"][1].numpy() == pytest.approx(data.astype(np.float64).var(1), rel=1e-12)
+
+
+@caffe2_env
+def test_exact_reads_inputs_an_in_place_layer_overwrites(c2):
+    core, workspace, brew, model_helper, cpu = c2
+    model = model_helper.ModelHelper(name="inplace")
+    plain = model_helper.ModelHelper(name="plain")
+    for net in (model, plain):
+        with core.DeviceScope(cpu):
+            brew.conv(net, "data", "conv", 3, 4, 1)
+    with core.DeviceScope(cpu):
+        brew.spatial_bn(model, "conv", "conv", 4, epsilon=EPS, is_test=False)  # output over its input
+        model.net.Relu("conv", "conv")
+    workspace.RunNetOnce(model.param_init_net)
+    workspace.FeedBlob("conv_b", np.full(4, 3e3, np.float32))
+    rng = np.random.RandomState(4)
+    feeds = [{"data": rng.randn(n, 3, 5, 5).astype(np.float32)} for n in (4, 2, 3)]
+    helper = BatchNormHelper(backend="caffe2", iters=3, exact=True)
+    helper.create_bn_aux_model(model, feeds)
+    report = helper.compute_and_update_bn_stats()
+    ref = forward_reference(c2, plain.net, feeds, [{"conv": "conv"}])["conv"]
+    written = (workspace.FetchBlob("conv_rm"), workspace.FetchBlob("conv_riv"))
+    assert_close_exact(*(torch.from_numpy(np.asarray(v, np.float64)) for v in written + ref[:2]), "conv")
+    assert report["conv"].elements == 9 * 25
+
+
+@caffe2_env
+def test_without_exact_untrusted_channels_are_named_in_a_warning_and_the_report(c2):
+    model, _ = two_device_model(c2)
+    feeds = shifted_data(4, [0.0, 300.0, 0.25])  # channel 1: mean/std = 150
+    helper = BatchNormHelper(backend="caffe2", iters=4, num_gpus=2)
+    helper.create_bn_aux_model(model, feeds)
+    with pytest.warns(PreciseBNWarning, match=r"in 1 layer\(s\).*in \(channels 1\).*exact=True"):
+        report = helper.compute_and_update_bn_stats()
+    assert report["in"].untrusted == [1] and report["conv1"].untrusted == report["conv2"].untrusted == []
+    assert report.to_dict()["layers"][0]["untrusted"] == [1]
+    # the flagged channel is where the kernel's variance is really off, the others are not
+    _, riv = fed(c2, "gpu_0", "in")
+    data = np.concatenate([np.moveaxis(f[k], 1, 0).reshape(3, -1) for f in feeds for k in sorted(f)], 1)
+    rel = np.abs(riv - data.astype(np.float64).var(1)) / data.astype(np.float64).var(1)
+    assert rel[1] > 10 * max(rel[0], rel[2]) and rel[0] < UNTRUSTED_RTOL and rel[2] < UNTRUSTED_RTOL
+
+
+def _stats(mean, var, counts):
+    stats = PopulationStats(len(mean))
+    for n in counts:
+        stats.add_call(torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64), n)
+    return stats
+
+
+def test_untrusted_criterion_follows_mean_over_std_and_elements():
+    # bound = 2 log2(n) 2^-24 (mean^2 + var) / var against 1e-3
+    assert untrusted_channels(_stats([0.0, 25.0, 100.0, 0.0], [1.0, 1.0, 1.0, 0.0], [2 ** 10] * 3)) == [2]
+    assert untrusted_channels(_stats([0.0, 25.0, 100.0, 0.0], [1.0, 1.0, 1.0, 0.0], [2 ** 20] * 3)) == [1, 2]
+    assert untrusted_channels(_stats([5.0, 0.0], [0.0, 0.0], [64])) == [0]  # clamped: no variance left
+    assert untrusted_channels(PopulationStats(3)) == []
+
+
+@caffe2_env
+@pytest.mark.parametrize("shape", [(4, 32, 16, 16), (8, 32, 4, 16, 16)])
+def test_the_kernels_variance_error_stays_within_the_untrusted_bound(c2, shape):
+    """Caffe2's own SpatialBN on channels of mean/std 1 to 300: the error of its variance never
+    exceeds the bound :func:`untrusted_channels` uses, and the channels it names are those where
+    the bound passes UNTRUSTED_RTOL."""
+    core, workspace, _, _, _ = c2
+    rng = np.random.RandomState(5)
+    channels = shape[1]
+    ratio = np.repeat([1.0, 10.0, 100.0, 300.0], channels // 4) * rng.choice([-1.0, 1.0], channels)
+    std = np.exp(rng.randn(channels))
+    view = [1, channels] + [1] * (len(shape) - 2)
+    x = (rng.randn(*shape) * std.reshape(view) + (ratio * std).reshape(view)).astype(np.float32)
+    workspace.FeedBlob("x", x)
+    for name, value in (("s", 1.0), ("b", 0.0), ("rm", 0.0), ("riv", 1.0)):
+        workspace.FeedBlob(name, np.full(channels, value, np.float32))
+    workspace.RunOperatorOnce(core.CreateOperator("SpatialBN", ["x", "s", "b", "rm", "riv"],
+                                                  ["y", "rm", "riv", "sm", "siv"], is_test=0, epsilon=EPS))
+    mean, var, _ = decode_saved_stats(workspace.FetchBlob("sm"), workspace.FetchBlob("siv"), EPS)
+    rows = np.moveaxis(x.astype(np.float64), 1, 0).reshape(channels, -1)
+    stats = PopulationStats(channels)
+    stats.add_call(mean, var, rows.shape[1])
+    true_mean, true_var = rows.mean(1), rows.var(1)
+    bound = 2 * math.log2(rows.shape[1]) * U32 * (true_mean ** 2 + true_var) / true_var
+    assert np.all(np.abs(var.numpy() - true_var) / true_var <= bound)
+    assert untrusted_channels(stats) == np.flatnonzero(bound > UNTRUSTED_RTOL).tolist() != []
+
+
+def test_decode_saved_stats_recovers_variance_and_snaps_dead_channel():
+    eps = 1e-5
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 50, generator=gen, dtype=torch.float64) * torch.tensor([[2.0], [0.01], [0.0]]) + 4
+    mean, var = x.mean(1), x.var(1, unbiased=False)
+    siv = (1.0 / torch.sqrt(var + eps)).float()
+    got_mean, got_var, negative = decode_saved_stats(mean.float().numpy(), siv.numpy(), eps)
+    assert got_var[2].item() == 0.0 and negative == 0
+    # siv carries a float32 rounding: var + eps is known to ~2 float32 ulps.
+    assert ((got_var - var).abs() <= 4 * 2.0 ** -24 * (var + eps)).all()
+    assert torch.equal(got_mean, mean.float().double())
+
+
+def test_decode_saved_stats_clamps_and_counts_negative_variances():
+    eps = 1e-3
+    siv = np.array([1.0 / (eps ** 0.5) * 1.01, 1.0], dtype=np.float32)  # 1/siv^2 < eps
+    _, var, negative = decode_saved_stats(np.zeros(2, np.float32), siv, eps)
+    assert var[0].item() == 0.0 and negative == 1
+    assert var[1].item() == pytest.approx(1.0 - eps)
+
+
+@caffe2_env
+def test_operators_take_numpy_scalar_arguments(c2):
+    """numpy >= 1.23 lacks np.asscalar, which Caffe2 1.10 calls for numpy scalar arguments."""
+    core, workspace, _, _, _ = c2
+    op = core.CreateOperator("ConstantFill", [], ["x"], shape=[2], value=np.float32(0.1), dtype=np.int32(1))
+    workspace.RunOperatorOnce(op)
+    assert workspace.FetchBlob("x").tolist() == [np.float32(0.1)] * 2
+    from caffe2.python import data_parallel_model  # noqa: F401 (imports networkx through memonger)
+
+
+# ---------------------------------------------------------------- the original helper's calls
+
+
+def original_modules(monkeypatch, cfg, builder):
+    """Stand-ins for video-nonlocal-net's ``core.config`` and ``models.model_builder_video``,
+    registered where its training script's imports put them."""
+    config = types.ModuleType("core.config")
+    config.config = cfg
+    models = types.ModuleType("models.model_builder_video")
+    models.ModelBuilder = builder
+    monkeypatch.setitem(sys.modules, "core.config", config)
+    monkeypatch.setitem(sys.modules, "models.model_builder_video", models)
+
+
+def original_config(iters=3, gpus=2):
+    ns = types.SimpleNamespace
+    return ns(TRAIN=ns(ITER_COMPUTE_PRECISE_BN=iters, DATA_TYPE="train"), NUM_GPUS=gpus, ROOT_GPU_ID=0,
+              MODEL=ns(MODEL_NAME="resnet_video", BN_EPSILON=EPS), LOG_PERIOD=1, CUDNN_WORKSPACE_LIMIT=256)
+
+
+@caffe2_env
+def test_original_three_calls_work_after_changing_only_the_import(c2, monkeypatch):
+    core, workspace, _, model_helper, cpu = c2
+    train_model, inputs = two_device_model(c2)  # the training net, its parameters initialised
+    clips = shifted_data(1, [1.0, -1.0, 0.5])[0]
+    for name, value in clips.items():
+        workspace.FeedBlob(name.replace("data", "clips"), value)
+    built = []
+
+    class ModelBuilder(model_helper.ModelHelper):
+        """Builds the forward net with a reader op, as the original's builder does."""
+
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+            super().__init__(name=kwargs["name"])
+
+        def build_model(self, node_id=0):
+            built.append(node_id)
+            for i in range(2):
+                with core.DeviceScope(cpu), core.NameScope("gpu_{}".format(i)):
+                    self.net.Copy("clips", "data")
+                add_forward(c2, self, "gpu_{}".format(i))
+
+    original_modules(monkeypatch, original_config(), ModelBuilder)
+    from precise_bn import helper as bn_helper  # the one line a user of the original changes
+
+    bn_aux = bn_helper.BatchNormHelper()
+    bn_aux.create_bn_aux_model(node_id=1)
+    report = bn_aux.compute_and_update_bn_stats(41)
+
+    assert built == [dict(name="resnet_video_bn_aux", train=True, use_cudnn=True, cudnn_exhaustive_search=True,
+                          ws_nbytes_limit=256 * 1024 * 1024, split="train", use_mem_cache=False,
+                          force_fw_only=True), 1]
+    assert report.batches == 3 and report.world_size == 1 and bn_aux.iters == 3
+    result = {(d, layer): fed(c2, d, layer) for d in ("gpu_0", "gpu_1") for layer in ("in", "conv1", "conv2")}
+    bn_aux.compute_and_update_bn_stats(41)
+    assert bn_aux.runs == 1
+    ref = forward_reference(c2, train_model.net, [clips], inputs)
+    for layer in ("in", "conv1", "conv2"):
+        rm, riv = result["gpu_0", layer]
+        assert rm.tobytes() == result["gpu_1", layer][0].tobytes() and riv.tobytes() == result["gpu_1", layer][1].tobytes()
+        assert_kernel_close(rm, riv, ref[layer], layer)

@@ -183,14 +183,17 @@ def test_user_rules_target_checks_and_report():
     nn = torch.nn
     target = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Linear(4, 2))
     rules = [(r"stem", "0"), (r"stem_bn", "1"), (r"head", "2")]
-    state, report = caffe2_to_torch(blobs, rules=rules, target=target)
-    assert report.unmatched == ["extra_w"]
+    with pytest.raises(CheckpointError, match=r"r50\.pkl: 1 tensor\(s\) have names no rule maps: extra_w"):
+        caffe2_to_torch(blobs, rules=rules, target=target, source="r50.pkl")
+    state, report = caffe2_to_torch(blobs, rules=rules, target=target, unmapped="drop")
+    assert report.unmatched == ["extra_w"] and report.dropped == ["extra_w"] and "extra_w" not in state
     assert report.shape_mismatches == [("head_w", "2.weight", (2, 5), (2, 4))]
     assert sorted(report.missing) == ["2.bias"] and "2.weight" not in state
     assert not report.ok and "head_w" in str(report)
     names = {"stem": "conv", "stem_bn": "bn"}
-    callable_state, callable_report = caffe2_to_torch(blobs, rules=names.get)
-    assert sorted(callable_report.unmatched) == ["extra_w", "head_w"]
+    callable_state, callable_report = caffe2_to_torch(blobs, rules=names.get, unmapped="keep")
+    assert sorted(callable_report.unmatched) == sorted(callable_report.kept) == ["extra_w", "head_w"]
+    assert callable_report.ok and callable_state["head_w"].numpy().tobytes() == blobs["head_w"].tobytes()
     assert callable_state["bn.running_var"].numpy().tobytes() == blobs["stem_bn_riv"].tobytes()
     with pytest.raises(CheckpointError, match="both map to"):
         caffe2_to_torch(blobs, rules=[(r"stem.*", "0")], require_bn_stats=False)
@@ -261,3 +264,77 @@ def test_write_back_keeps_bytes_keys_scalars_and_refuses_unknown_blobs(tmp_path)
     with pytest.raises(CheckpointError, match="no blob note, pred_w"):
         save_caffe2_pickle({"pred_w": np.ones(2), "note": np.ones(1)}, tmp_path / "bad.pkl", root=loaded_root)
     assert not (tmp_path / "bad.pkl").exists()
+
+
+def _globals_named(data: bytes):
+    """Every module.name a pickle stream refers to (GLOBAL, or the two strings before STACK_GLOBAL)."""
+    import pickletools
+
+    names, strings = set(), []
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name == "GLOBAL":
+            names.add(arg.replace(" ", "."))
+        elif opcode.name == "STACK_GLOBAL":
+            names.add(".".join(strings[-2:]))
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return names
+
+
+def _py2_era_root(protocol):
+    """A file as the Caffe2 era's tools leave them: blobs plus builtin containers that
+    protocol-2 pickles name under ``__builtin__``."""
+    blobs = {"res_conv1_bn_riv": np.linspace(0.5, 2.0, 4).astype(np.float32),
+             "res_conv1_bn_rm": np.float32(0.25), "conv1_w": np.ones((4, 3, 1, 1), np.float16)}
+    return {"blobs": blobs, "tags": {"kinetics", "c2d"}, "frozen": frozenset([1, 2]), "z": complex(1, 2),
+            "raw": bytearray(b"\x00\xff")}
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_write_back_keeps_protocol_and_loads_where_numpy_1_runs(tmp_path, protocol):
+    from precise_bn.caffe2.checkpoint import pickle_protocol
+    from precise_bn.checkpoint.formats import load_checkpoint, save_checkpoint
+
+    src, out = tmp_path / "in.pkl", tmp_path / "out.pkl"
+    root = _py2_era_root(protocol)
+    src.write_bytes(pickle.dumps(root, protocol=protocol))
+    if protocol == 2:
+        assert "__builtin__.set" in _globals_named(src.read_bytes())
+    ckpt = load_checkpoint(str(src))  # the safe loader takes protocol-2 builtin aliases
+    assert ckpt.root["tags"] == root["tags"] and ckpt.root["raw"] == root["raw"]
+    ckpt.state_dict["bn1.running_var"].mul_(3)
+    ckpt.updated.append("bn1.running_var")
+    save_checkpoint(ckpt, str(out))
+
+    data = out.read_bytes()
+    assert pickle_protocol(out) == protocol
+    assert not [name for name in _globals_named(data) if name.startswith("numpy._core")]
+    written, blobs = read_caffe2_pickle(out)  # every file written loads through the safe loader
+    assert {k: v for k, v in written.items() if k != "blobs"} == {k: v for k, v in root.items() if k != "blobs"}
+    assert blobs["res_conv1_bn_riv"].tobytes() == (root["blobs"]["res_conv1_bn_riv"] * 3).tobytes()
+    assert type(written["blobs"]["res_conv1_bn_rm"]) is np.float32
+    assert blobs["conv1_w"].dtype == np.float16
+
+
+@pytest.mark.main_env
+def test_pickle_written_here_loads_with_plain_pickle_in_the_caffe2_environment(tmp_path):
+    import subprocess
+
+    from cli_helpers import REPO
+
+    python = REPO / ".venv-caffe2" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("the caffe2 environment is not built here (bash scripts/dev.sh setup builds it)")
+    blobs = {"conv1_w": np.random.RandomState(0).randn(2, 3, 3, 3).astype(np.float32),
+             "res_conv1_bn_rm": np.float32(1.5), "optimizer_iteration": np.array([7], np.int64)}
+    path = tmp_path / "here.pkl"
+    save_caffe2_pickle(blobs, path, root={"blobs": blobs, "tags": {"a"}})
+    script = ("import pickle, sys, numpy; d = pickle.load(open(sys.argv[1], 'rb')); "
+              "print(numpy.__version__); print(sorted(d['tags'])); "
+              "[print(k, type(v).__name__, v.dtype, v.tobytes().hex()) for k, v in sorted(d['blobs'].items())]")
+    result = subprocess.run([str(python), "-c", script, str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("1.") and lines[1] == "['a']"
+    want = ["{} {} {} {}".format(k, type(v).__name__, v.dtype, v.tobytes().hex()) for k, v in sorted(blobs.items())]
+    assert lines[2:] == want

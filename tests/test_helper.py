@@ -1,6 +1,8 @@
 """BatchNormHelper on the torch backend: settings, the aux view and the per-iteration cache."""
 from __future__ import annotations
 
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -90,3 +92,38 @@ def test_options_pass_through_to_update_bn_stats():
     assert report.estimator == "exact" and report.batches == 2
     with pytest.raises(ConfigError, match="data"):
         helper.create_bn_aux_model(model)
+
+
+def _original_config_module(monkeypatch, iters):
+    ns = SimpleNamespace
+    module = types.ModuleType("core.config")
+    module.config = ns(TRAIN=ns(ITER_COMPUTE_PRECISE_BN=iters), MODEL=ns(BN_EPSILON=1e-3), NUM_GPUS=4,
+                       ROOT_GPU_ID=2, LOG_PERIOD=5)
+    monkeypatch.setitem(sys.modules, "core.config", module)
+
+
+def test_original_calls_without_its_modules_fail_at_once_with_the_replacement_line(monkeypatch):
+    from precise_bn import helper as bn_helper
+    from precise_bn.caffe2.original import REPLACEMENT
+
+    monkeypatch.delitem(sys.modules, "models.model_builder_video", raising=False)
+    bn_aux = bn_helper.BatchNormHelper()
+    with pytest.raises(ConfigError) as info:
+        bn_aux.create_bn_aux_model(node_id=0)
+    message = str(info.value)
+    assert "\n    " + REPLACEMENT + "\n" in message and "models.model_builder_video" in message
+    assert REPLACEMENT == "bn_aux.create_bn_aux_model(train_model)"
+    with pytest.raises(ConfigError, match="node_id"):
+        bn_aux.create_bn_aux_model(Counting(), _data(1), node_id=0)
+
+
+def test_original_global_config_is_read_when_its_module_is_loaded(monkeypatch):
+    _original_config_module(monkeypatch, iters=2)
+    helper = BatchNormHelper()
+    assert helper.iters == 2 and helper.settings["num_gpus"] == 4 and helper.settings["bn_epsilon"] == 1e-3
+    assert BatchNormHelper(iters=3).iters == 3
+    model = Counting()
+    helper.create_bn_aux_model(model, _data(4))
+    assert helper.compute_and_update_bn_stats(0).batches == 2 and model.forwards == 2
+    monkeypatch.setattr(sys.modules["core.config"], "config", SimpleNamespace(TRAIN=SimpleNamespace()))
+    assert BatchNormHelper().iters == 200  # a module of that name without the original's keys is not read

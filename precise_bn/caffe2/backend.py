@@ -6,7 +6,8 @@ How it works, and why:
   ``1 / sqrt(var + eps)`` in ``{layer}_bn_siv`` (``var`` biased). After each run of the aux net
   (:mod:`precise_bn.caffe2.net`) we read, for every device ``{prefix}_{i}/`` and layer, those
   two blobs and the element count per channel of the layer's input (batch x spatial positions).
-* ``var`` is recovered as ``1 / siv^2 - eps`` in float64 (:func:`decode_saved_stats`), and every
+* ``var`` is recovered as ``1 / siv^2 - eps`` in float64
+  (:func:`~precise_bn.caffe2.stats.decode_saved_stats`), and every
   (device, iteration) batch is merged with Chan's formula weighted by its true element count:
   devices with different batch sizes count for what they saw, the spread of batch means is
   kept, and a dead channel ends at exactly 0.
@@ -14,10 +15,19 @@ How it works, and why:
   every device under the device option of that device's SpatialBN op (``_bn_riv`` holds a
   variance despite its name), so all devices hold identical bits.
 * Caffe2's CPU kernel computes the batch variance as ``E[x^2] - E[x]^2`` in float32. When a
-  channel's mean is large next to its std this cancels, falls below ``-eps`` and the saved
-  inverse std is NaN. Nothing recovers the lost digits, so such a run raises
-  :class:`NonFiniteStatsError` naming layer, device and iteration, and the running stats are
+  channel's mean is large next to its std this cancels: the saved variance loses digits
+  (:func:`~precise_bn.caffe2.stats.untrusted_channels` names the channels where it may be off
+  by more than ``UNTRUSTED_RTOL``, in a :class:`PreciseBNWarning` and in
+  ``LayerReport.untrusted``), or
+  falls below ``-eps`` and the saved inverse std is NaN, which raises
+  :class:`NonFiniteStatsError` naming layer, device and iteration; the running stats are then
   restored as they were before the pass (train-mode SpatialBN also updates them in place).
+* ``exact=True`` shifts each SpatialBN's input by its float32 batch mean ``c`` inside the aux
+  net (:func:`precise_bn.caffe2.net.forward_only_net`: the kernel no longer cancels, so later
+  layers see accurate activations too), then reads, for every device and run, the shifted input
+  blob and measures it in float64 shifted again by the kernel's batch mean of it
+  (:func:`~precise_bn.caffe2.stats.measure_input`), as the PyTorch exact path does; the mean is ``c`` plus the measured
+  one. Nothing cancels, whatever the mean, and the kernel's variance is not used at all.
 
 The pass itself (budget, progress, ranks, report, writing last) is the shared driver's
 (:mod:`precise_bn.driver`), as for PyTorch models.
@@ -28,6 +38,7 @@ import contextlib
 import itertools
 import logging
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -35,39 +46,19 @@ import torch
 
 from ..data import CyclingBatches
 from ..driver import recalibrate
-from ..errors import ConfigError, LayerError, NonFiniteStatsError
+from ..errors import ConfigError, LayerError, NonFiniteStatsError, PreciseBNWarning
 from ..estimator import PopulationStats
 from ..options import Options
 from ..report import BNReport
 from ..signals import Relays, write_last
 from .net import BNBlobs, device_option, devices_of_net, find_bn_layers, forward_only_net, import_caffe2
+from .stats import UNTRUSTED_RTOL, decode_saved_stats, measure_input, untrusted_channels
 
 logger = logging.getLogger("precise_bn")
 
 Feeds = Dict[str, np.ndarray]
 Caffe2Cache = Dict[str, Tuple[np.ndarray, np.ndarray]]
 Stats = Tuple[torch.Tensor, torch.Tensor]
-
-# float32 carries 24 significant bits: a saved inverse std is only known to 2**-24 relative.
-_FLOAT32_REL = 2.0 ** -24
-
-
-def decode_saved_stats(sm: np.ndarray, siv: np.ndarray, eps: float) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """A SpatialBN call's float64 ``(mean, biased var)`` from its saved mean and inverse std,
-    and how many channels came out negative.
-
-    ``var = 1 / siv^2 - eps`` in float64. Anything below the resolution of a float32 ``siv``
-    (two float32 ulps of ``var + eps``) cannot be told apart from zero: a dead channel comes
-    back as exactly 0 instead of a tiny signed residue, and a negative value is clamped.
-    """
-    mean = torch.as_tensor(np.asarray(sm, dtype=np.float64)).reshape(-1)
-    inv = torch.as_tensor(np.asarray(siv, dtype=np.float64)).reshape(-1)
-    var_eps = 1.0 / (inv * inv)
-    var = var_eps - float(eps)
-    negative = int((var < 0).sum())
-    var = torch.where(var < var_eps * (4.0 * _FLOAT32_REL), torch.zeros_like(var), var)
-    return mean, var, negative
-
 
 class Caffe2AuxModel:
     """The Caffe2 aux net and the recalibration of its BN layers.
@@ -90,7 +81,7 @@ class Caffe2AuxModel:
         _, self.workspace, _ = import_caffe2()
         self.opts = opts
         self.batches: Iterator[Any] = CyclingBatches(data) if data is not None else itertools.repeat(None)
-        self.net = forward_only_net(model)
+        self.net = forward_only_net(model, channels=self._channels if opts.exact else None)
         self.devices = devices_of_net(self.net, settings)
         self.layers = find_bn_layers(self.net, self.devices)
         self._check_epsilon(float(settings["bn_epsilon"]))
@@ -99,6 +90,9 @@ class Caffe2AuxModel:
         self._created = False
         logger.info("precise-bn (caffe2): aux net %r with %d ops, %d BatchNorm layers on %d device(s)",
                     self.net.name, len(self.net.op), len(self.layers), len(self.devices))
+
+    def _channels(self, scale_blob: str) -> int:
+        return int(self.workspace.FetchBlob(scale_blob).size) if self.workspace.HasBlob(scale_blob) else 0
 
     def _check_epsilon(self, bn_epsilon: float) -> None:
         # An op's epsilon argument is stored as float32: compare at that resolution.
@@ -172,11 +166,13 @@ class Caffe2AuxModel:
 class _Caffe2Pass:
     """One pass of the driver over a :class:`Caffe2AuxModel` (see :class:`precise_bn.driver.Backend`)."""
 
-    estimator = "caffe2"
     empty_reason = "the net has no SpatialBN layer"
 
     def __init__(self, aux: Caffe2AuxModel):
         self.aux = aux
+        self.exact = aux.opts.exact
+        self.estimator = "caffe2-exact" if self.exact else "caffe2"
+        self._buffer: Optional[torch.Tensor] = None
         self.names = list(aux.layers)
         self.eps = [blobs[0].eps for blobs in aux.layers.values()]
         fetch = aux.workspace.FetchBlob
@@ -209,23 +205,64 @@ class _Caffe2Pass:
         samples = 0
         for index, (stats, blobs) in enumerate(zip(self.stats, self.aux.layers.values())):
             for b in blobs:
-                sm, siv, shape = fetch(b.sm), fetch(b.siv), fetch(b.shape)
-                bad = ~(np.isfinite(sm) & np.isfinite(siv) & (siv > 0))
-                if bad.any():
-                    raise NonFiniteStatsError(
-                        "Caffe2 BatchNorm layer {!r} on device {!r}: non-finite saved mean or inverse std in "
-                        "channels {} at iteration {} of {}. Caffe2's CPU SpatialBN computes the variance as "
-                        "E[x^2]-E[x]^2 in float32, which falls below -epsilon when a channel's mean is large "
-                        "next to its std (NaN/Inf inputs do the same); no stats were fed and the running stats "
-                        "were restored".format(b.layer, b.device or "<unscoped>", np.flatnonzero(bad)[:5].tolist(),
-                                               self.iteration, self.aux.opts.num_batches))
-                dims = shape.tolist()
-                count = math.prod(dims) // dims[b.channel_axis]
-                mean, var, _ = decode_saved_stats(sm, siv, b.eps)
+                mean, var, count = self._read_exact(b) if self.exact else self._read_kernel(b)
                 stats.add_call(mean, var, count)
                 if index == 0:
-                    samples += dims[0]
+                    samples += int(fetch(b.shape)[0])
         return samples
+
+    def _refuse(self, b: BNBlobs, bad: np.ndarray, what: str) -> None:
+        raise NonFiniteStatsError(
+            "Caffe2 BatchNorm layer {!r} on device {!r}: {} in channels {} at iteration {} of {}; no stats were "
+            "fed and the running stats were restored".format(
+                b.layer, b.device or "<unscoped>", what, np.flatnonzero(bad)[:5].tolist(), self.iteration,
+                self.aux.opts.num_batches))
+
+    def _read_kernel(self, b: BNBlobs) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """The call's stats from the kernel's saved mean and inverse std."""
+        fetch = self.aux.workspace.FetchBlob
+        sm, siv, dims = fetch(b.sm), fetch(b.siv), fetch(b.shape).tolist()
+        bad = ~(np.isfinite(sm) & np.isfinite(siv) & (siv > 0))
+        if bad.any():
+            self._refuse(b, bad, "non-finite saved mean or inverse std (Caffe2's CPU SpatialBN computes the variance "
+                                 "as E[x^2]-E[x]^2 in float32, which falls below -epsilon when a channel's mean is "
+                                 "large next to its std; exact=True measures the input instead. NaN/Inf inputs do "
+                                 "the same)")
+        mean, var, _ = decode_saved_stats(sm, siv, b.eps)
+        return mean, var, math.prod(dims) // dims[b.channel_axis]
+
+    def _read_exact(self, b: BNBlobs) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """The call's stats measured from its shifted input blob in float64 (see
+        :func:`measure_input`); the shift ``c`` the net subtracted is added back exactly."""
+        fetch = self.aux.workspace.FetchBlob
+        x, sm, c = fetch(b.x), fetch(b.sm), fetch(b.shift).reshape(-1)
+        shift = np.where(np.isfinite(sm), sm, 0).astype(np.float32)
+        if self._buffer is None or self._buffer.numel() < x.size:
+            self._buffer = torch.empty(x.size, dtype=torch.float64)
+        mean, var, count = measure_input(x, shift, b.channel_axis, self._buffer)
+        mean += torch.from_numpy(c.astype(np.float64))
+        bad = ~torch.isfinite(mean + var).numpy()
+        if bad.any():
+            self._refuse(b, bad, "non-finite values in the input of the SpatialBN (blob {!r})".format(b.x))
+        return mean, var, count
+
+    def check_trust(self, stats: Sequence[PopulationStats], report: BNReport) -> None:
+        """Name, in ``report`` and one warning, the channels whose kernel statistics cannot be
+        trusted (:func:`untrusted_channels`); nothing to name on the exact path."""
+        if self.exact:
+            return
+        named = []
+        for layer, layer_stats in zip(report.layers, stats):
+            layer.untrusted = untrusted_channels(layer_stats)
+            if layer.untrusted:
+                channels = ", ".join(map(str, layer.untrusted[:8])) + (", ..." if len(layer.untrusted) > 8 else "")
+                named.append("{} (channels {})".format(layer.name, channels))
+        if named:
+            warnings.warn(
+                "Caffe2's float32 SpatialBN kernel computes E[x^2]-E[x]^2: in {} layer(s) some channels' mean is so "
+                "large next to their std that the written variance may be off by more than {:g} of itself: {}. "
+                "Recompute with exact=True to measure the inputs in float64".format(
+                    len(named), UNTRUSTED_RTOL, "; ".join(named)), PreciseBNWarning, stacklevel=2)
 
     def collect(self) -> List[PopulationStats]:
         return self.stats

@@ -7,6 +7,11 @@ resolves only numpy's array, dtype and scalar rebuilders and plain containers; a
 is refused before anything is called. Writing back keeps every entry of the file and its
 layout; only the blobs given change.
 
+Files written here are read where Caffe2 runs, under numpy 1.x and often Python 2, with plain
+``pickle``. numpy 2 pickles its arrays through ``numpy._core``, a module numpy 1.x does not
+have, so :class:`_PortablePickler` names numpy's rebuilders by their ``numpy.core`` path, which
+every numpy release imports. A rewritten file keeps the pickle protocol of the file it replaces.
+
 This module needs numpy only, never Caffe2.
 """
 from __future__ import annotations
@@ -16,6 +21,8 @@ import copy
 import importlib
 import os
 import pickle
+import pickletools
+import types
 from typing import Any, BinaryIO, Dict, Mapping, Tuple, Union
 
 import numpy as np
@@ -65,6 +72,14 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     return allowed
 
 
+# Protocol-2 pickles name the builtins by their Python 2 module (Python 3's pickler does too,
+# for protocols below 3).
+_PY2_MODULES = {"__builtin__": "builtins"}
+
+#: The protocol of files written from scratch: the highest the Python 2 Caffe2 tools can read.
+DEFAULT_PROTOCOL = 2
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Builds numpy arrays, dtypes, scalars and plain containers; refuses every other global.
 
@@ -78,7 +93,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self.allowed = _allowed_globals()
 
     def find_class(self, module: str, name: str) -> Any:
-        found = self.allowed.get((module, name))
+        found = self.allowed.get((_PY2_MODULES.get(module, module), name))
         if found is None:
             raise UnsafeCheckpointError(
                 "{}: refused to load the global {}.{}: a Caffe2 checkpoint holds only numpy "
@@ -144,6 +159,21 @@ def read_caffe2_pickle(path: PathLike) -> Tuple[Any, Dict[str, np.ndarray]]:
     return root, blobs
 
 
+def pickle_protocol(path: PathLike) -> int:
+    """The protocol a pickle file was written with: its ``PROTO`` opcode (protocols 2 and up),
+    else 1 if it uses any opcode protocol 1 introduced, else 0."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as handle:
+            head = handle.read(2)
+            if len(head) == 2 and head[0] == pickle.PROTO[0]:
+                return head[1]
+            handle.seek(0)
+            return max((opcode.proto for opcode, _, _ in pickletools.genops(handle)), default=0)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError("{}: cannot read the pickle's protocol: {}".format(name, exc)) from exc
+
+
 def load_caffe2_pickle(path: PathLike) -> Dict[str, np.ndarray]:
     """The blobs of a Caffe2 ``.pkl``: blob name -> ndarray (see :func:`read_caffe2_pickle`)."""
     return read_caffe2_pickle(path)[1]
@@ -171,15 +201,47 @@ def _with_blobs(root: Any, blobs: Mapping[str, np.ndarray], where: str) -> Any:
     return new_root
 
 
-def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO], root: Any = None) -> None:
+class _PortablePickler(pickle._Pickler):  # the Python pickler: the C one's globals cannot be renamed
+    """A pickler that names numpy 2's ``numpy._core`` rebuilders by their ``numpy.core`` path,
+    which numpy 1.x (and numpy 2, through its compatibility module) import."""
+
+    def save_global(self, obj: Any, name: Any = None) -> None:
+        module = getattr(obj, "__module__", None) or ""
+        if not module.startswith("numpy._core"):
+            super().save_global(obj, name)
+            return
+        module = "numpy.core" + module[len("numpy._core"):]
+        name = name or obj.__qualname__
+        if self.proto >= 4:
+            self.save(module)
+            self.save(name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + "{}\n{}\n".format(module, name).encode("ascii"))
+        self.memoize(obj)
+
+    # The base class's table holds its own save_global for Python functions (numpy's _frombuffer).
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[types.FunctionType] = save_global
+
+
+def dump_portable(obj: Any, handle: BinaryIO, protocol: int = DEFAULT_PROTOCOL) -> None:
+    """Pickle ``obj`` into ``handle`` so that plain ``pickle`` under numpy 1.x loads it."""
+    _PortablePickler(handle, protocol=protocol).dump(obj)
+
+
+def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO], root: Any = None,
+                       protocol: int = DEFAULT_PROTOCOL) -> None:
     """Write ``{"blobs": {name: ndarray}}`` to ``path`` atomically (temporary file, fsync,
     rename), or into an open binary file whose writer handles atomicity.
 
     With ``root`` (the object :func:`read_caffe2_pickle` returned) the file keeps the layout and
     every entry of ``root``: only the named ``blobs`` change, each cast to the dtype and shape
-    of the blob it replaces, so readers of the original file read the new one alike.
+    of the blob it replaces, so readers of the original file read the new one alike; pass the
+    original's ``protocol`` (:func:`pickle_protocol`) to keep it readable where it was.
 
-    Protocol 2, the highest that the Python 2 Caffe2 tools can read.
+    ``protocol`` defaults to 2, the highest that the Python 2 Caffe2 tools can read; numpy's
+    modules are named as numpy 1.x imports them (:class:`_PortablePickler`).
     """
     where = getattr(path, "name", "<stream>") if hasattr(path, "write") else os.fspath(path)
     out: Dict[str, np.ndarray] = {}
@@ -192,6 +254,6 @@ def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO]
         out[str(key)] = array
     content = {"blobs": out} if root is None else _with_blobs(root, out, where)
     if hasattr(path, "write"):
-        pickle.dump(content, path, protocol=2)
+        dump_portable(content, path, protocol)
     else:
-        atomic_write(path, lambda handle: pickle.dump(content, handle, protocol=2))
+        atomic_write(path, lambda handle: dump_portable(content, handle, protocol))

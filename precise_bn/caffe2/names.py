@@ -7,6 +7,14 @@ only; the suffix decides the PyTorch parameter (``_riv`` is a variance and is co
 ``running_var``). Values are copied bit for bit, so Caffe2 -> PyTorch -> Caffe2 returns every
 mapped blob unchanged.
 
+Nothing is lost without being asked: a name no rule maps raises :class:`CheckpointError`
+listing it, unless ``unmapped="keep"`` (the tensor keeps its own name) or ``unmapped="drop"``.
+Only what is not model state by name (optimizer state, counters, SpatialBN's saved batch
+stats: :data:`CAFFE2_NOT_STATE`) is always left out, and listed as ``skipped``. The built-in
+rules map the model-zoo ResNets and the ResNet part of the video non-local nets (their 5-D
+convolution weights keep their shape); the non-local blocks' blobs (``nonlocal_conv{s}_{b}_*``)
+have no PyTorch counterpart and are kept or dropped as asked.
+
 This module needs numpy and torch only, never Caffe2.
 """
 from __future__ import annotations
@@ -68,11 +76,14 @@ _TORCH_SUFFIXES = {"weight": "_w", "bias": "_b"}
 
 # Blobs that are not model state: optimizer state, learning rate and iteration counters,
 # gradients, SpatialBN's per-batch saved mean / inverse std.
-_CAFFE2_SKIP = re.compile(
+CAFFE2_NOT_STATE = _CAFFE2_SKIP = re.compile(
     r"(_momentum|_grad|_sm|_siv|_first_moment|_second_moment|_lr|_lr_cpu)$"
     r"|(^|/)(lr|iter|ITER|iteration_mutex|optimizer_iteration|ONE_\d+_\d+)$"
 )
 _TORCH_SKIP = re.compile(r"(^|\.)num_batches_tracked$")
+
+#: What a conversion does with a name no rule maps.
+UNMAPPED_POLICIES = ("error", "keep", "drop")
 
 
 @dataclass
@@ -80,29 +91,37 @@ class ConversionReport:
     """What a conversion did with every key.
 
     ``mapped``: source key -> destination key. ``skipped``: left out on purpose (optimizer
-    state, counters, saved batch stats). ``unmatched``: no rule or suffix maps them, left out.
-    ``unexpected``: mapped, but the target has no such key, left out. ``missing``: target keys
-    nothing filled. ``shape_mismatches``: (source, destination, source shape, target shape),
-    left out. The last three are only filled when a target is given.
+    state, counters, saved batch stats). ``unmatched``: no rule or suffix maps them; ``kept``:
+    those of them written under their own names (``unmapped="keep"``, also in ``mapped``), the
+    others were left out (``unmapped="drop"``). ``unexpected``: mapped, but the target has no
+    such key, left out. ``missing``: target keys nothing filled. ``shape_mismatches``: (source,
+    destination, source shape, target shape), left out. The last three are only filled when a
+    target is given.
     """
 
     mapped: Dict[str, str] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
     unmatched: List[str] = field(default_factory=list)
+    kept: List[str] = field(default_factory=list)
     unexpected: List[str] = field(default_factory=list)
     missing: List[str] = field(default_factory=list)
     shape_mismatches: List[ShapeMismatch] = field(default_factory=list)
 
     @property
+    def dropped(self) -> List[str]:
+        """Unmatched keys left out (``unmapped="drop"``)."""
+        return [key for key in self.unmatched if key not in self.kept]
+
+    @property
     def ok(self) -> bool:
         """True when every key found a home and the target (if any) is fully filled."""
-        return not (self.unmatched or self.unexpected or self.missing or self.shape_mismatches)
+        return not (self.dropped or self.unexpected or self.missing or self.shape_mismatches)
 
     def __str__(self) -> str:
-        rows = ["{} mapped, {} skipped, {} unmatched, {} unexpected, {} missing, {} shape mismatches".format(
-            len(self.mapped), len(self.skipped), len(self.unmatched), len(self.unexpected),
-            len(self.missing), len(self.shape_mismatches))]
-        for title in ("unmatched", "unexpected", "missing"):
+        rows = ["{} mapped ({} kept under their own names), {} skipped, {} dropped, {} unexpected, {} missing, "
+                "{} shape mismatches".format(len(self.mapped), len(self.kept), len(self.skipped), len(self.dropped),
+                                             len(self.unexpected), len(self.missing), len(self.shape_mismatches))]
+        for title in ("skipped", "kept", "dropped", "unexpected", "missing"):
             keys = getattr(self, title)
             if keys:
                 rows.append("  {}: {}".format(title, ", ".join(keys)))
@@ -204,6 +223,27 @@ def _check_against(
     return kept
 
 
+def _settle_unmapped(out: Dict[str, Any], report: ConversionReport, values: Mapping[str, Any],
+                     unmapped: str, source: str) -> None:
+    """Apply the ``unmapped`` policy to ``report.unmatched`` (``values``: each one's tensor)."""
+    if not report.unmatched or unmapped == "drop":
+        return
+    if unmapped == "error":
+        names = report.unmatched
+        raise CheckpointError(
+            "{}: {} tensor(s) have names no rule maps: {}. Nothing was written: keep them under their own "
+            "names (--keep-unmapped, unmapped='keep'), leave them out (--drop-unmapped, unmapped='drop'), or "
+            "give rules that map them (--caffe2-rules, rules=...)".format(source, len(names), ", ".join(names)))
+    for key in report.unmatched:
+        _add(out, report, key, key, values[key])
+        report.kept.append(key)
+
+
+def _check_policy(unmapped: str) -> None:
+    if unmapped not in UNMAPPED_POLICIES:
+        raise CheckpointError("unmapped must be one of {}, got {!r}".format(UNMAPPED_POLICIES, unmapped))
+
+
 def _add(out: Dict[str, Any], report: ConversionReport, source: str, dest: str, value: Any) -> None:
     if dest in out:
         first = next(key for key, mapped in report.mapped.items() if mapped == dest)
@@ -220,6 +260,7 @@ def caffe2_to_torch(
     target: Any = None,
     require_bn_stats: bool = True,
     source: str = "checkpoint",
+    unmapped: str = "error",
 ) -> Tuple[Dict[str, torch.Tensor], ConversionReport]:
     """Caffe2 blobs -> PyTorch state dict, bit for bit (a big-endian blob becomes native-endian).
 
@@ -233,7 +274,11 @@ def caffe2_to_torch(
         require_bn_stats: refuse checkpoints whose BN was folded into AffineChannel
             (:func:`check_bn_stats`); pass False to convert them for other uses.
         source: the checkpoint's name in error messages.
+        unmapped: blobs no rule maps: ``"error"`` raises CheckpointError naming them,
+            ``"keep"`` keeps each under its blob name, ``"drop"`` leaves them out (all listed in
+            the report).
     """
+    _check_policy(unmapped)
     if require_bn_stats:
         check_bn_stats(blobs, source)
     rules = RESNET_RULES if rules is None else rules
@@ -250,6 +295,8 @@ def caffe2_to_torch(
             continue
         dest = "{}.{}".format(module, split[1]) if module else split[1]
         _add(out, report, blob, dest, _to_torch(blob, np.asarray(value)))
+    unmatched = {blob: _to_torch(blob, np.asarray(blobs[blob])) for blob in report.unmatched} if unmapped == "keep" else {}
+    _settle_unmapped(out, report, unmatched, unmapped, source)
     return _check_against(out, report, _target_state(target), _TORCH_SKIP), report
 
 
@@ -257,6 +304,8 @@ def torch_to_caffe2(
     state_dict: Mapping[str, Any],
     rules: Rules = None,
     base: Optional[Mapping[str, np.ndarray]] = None,
+    unmapped: str = "error",
+    source: str = "state dict",
 ) -> Tuple[Dict[str, np.ndarray], ConversionReport]:
     """PyTorch state dict -> Caffe2 blobs, bit for bit (float32 stays float32).
 
@@ -271,7 +320,11 @@ def torch_to_caffe2(
         base: the original Caffe2 blobs. The result starts from a copy of them, so blobs a
             conversion never carries (momentum, learning rate, iteration) survive a round trip;
             keys and shapes are checked against them.
+        unmapped: keys no rule maps, as in :func:`caffe2_to_torch` (``"keep"``: the key itself
+            becomes the blob name).
+        source: the state dict's name in error messages.
     """
+    _check_policy(unmapped)
     rules = RESNET_TORCH_RULES if rules is None else rules
     report = ConversionReport()
     bn_modules = {key.rsplit(".", 1)[0] for key in state_dict if key.endswith("running_mean")}
@@ -287,6 +340,8 @@ def torch_to_caffe2(
             report.unmatched.append(key)
             continue
         _add(out, report, key, layer + suffix, to_numpy(value))
+    unmatched = {key: to_numpy(state_dict[key]) for key in report.unmatched} if unmapped == "keep" else {}
+    _settle_unmapped(out, report, unmatched, unmapped, source)
     checked = _check_against(out, report, _target_state(base), _CAFFE2_SKIP)
     if base is None:
         return checked, report

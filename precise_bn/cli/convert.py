@@ -1,27 +1,67 @@
-"""``precise-bn convert``: Caffe2 ``.pkl`` to and from PyTorch ``.pt`` / ``.safetensors``."""
+"""``precise-bn convert``: Caffe2 ``.pkl`` to and from PyTorch ``.pt`` / ``.safetensors``.
+
+A conversion never leaves a tensor out without being asked: a name the rules do not map fails
+the command (exit 1, names listed) unless ``--keep-unmapped`` (written under its own name) or
+``--drop-unmapped`` is given; :func:`convert_checkpoint` is the same in Python. Blobs that are
+not model state by name (optimizer state, counters, saved batch stats) are left out and listed.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any, Optional
 
+from ..caffe2.checkpoint import read_caffe2_pickle
+from ..caffe2.names import ConversionReport, caffe2_to_torch
 from ..checkpoint.formats import check_output, detect_format, load_checkpoint, save_state_dict
 from ..errors import CheckpointError, ConfigError
 from .inspect import rules_of
 
+
+def convert_checkpoint(input: str, output: str, *, rules: Any = None, unmapped: str = "error",
+                       strip_prefix: str = "", key: Optional[str] = None, trust: bool = False) -> ConversionReport:
+    """Convert ``input`` to ``output`` (formats from the names: ``.pkl`` Caffe2, ``.safetensors``,
+    else ``torch.save``), atomically, and return what became of every tensor.
+
+    Args:
+        rules: Caffe2 <-> module name rules (see :func:`precise_bn.caffe2.names.caffe2_to_torch`);
+            default: the model-zoo ResNet names.
+        unmapped: names the rules do not map: ``"error"`` raises CheckpointError listing them
+            before anything is written, ``"keep"`` writes them under their own names, ``"drop"``
+            leaves them out.
+        strip_prefix: removed from every PyTorch key (all must start with it).
+        key, trust: where the state dict sits in a ``torch.save`` file, and whether it may run
+            code while loading (see :func:`precise_bn.checkpoint.formats.load_checkpoint`).
+    """
+    input, output = os.fspath(input), os.fspath(output)
+    check_output(input, output, in_place=False)
+    fmt_in, fmt_out = detect_format(input), detect_format(output)
+    if fmt_in == fmt_out:
+        raise ConfigError("convert: {} and {} are both {} files; give OUT another extension (.pt, .safetensors, "
+                          ".pkl)".format(input, output, fmt_in))
+    if fmt_in == "caffe2":
+        if key is not None:
+            raise CheckpointError("{}: a caffe2 file is one flat table of tensors; --key applies to torch.save "
+                                  "files".format(input))
+        state, report = caffe2_to_torch(read_caffe2_pickle(input)[1], rules, source=input, unmapped=unmapped)
+    else:
+        state = load_checkpoint(input, key=key, trust=trust).state_dict
+        report = ConversionReport(mapped={name: name for name in state})
+    if strip_prefix and not all(k.startswith(strip_prefix) for k in state):
+        raise CheckpointError("{}: not every key starts with --strip-prefix {!r}".format(input, strip_prefix))
+    state = {k[len(strip_prefix):]: v for k, v in state.items()}
+    written = save_state_dict(state, output, fmt_out, rules, unmapped)
+    return written if written is not None else report
+
+
 def run(args: argparse.Namespace) -> None:
     """``precise-bn convert ARGS``."""
-    check_output(args.input, args.output, in_place=False)
-    fmt_in, fmt_out = detect_format(args.input), detect_format(args.output)
-    if fmt_in == fmt_out:
-        raise ConfigError(
-            "convert: {} and {} are both {} files; give OUT another extension (.pt, .safetensors, .pkl)".format(
-                args.input, args.output, fmt_in
-            )
-        )
-    rules = rules_of(args)
-    ckpt = load_checkpoint(args.input, key=args.key, trust=args.trust_checkpoint, rules=rules)
-    strip = args.strip_prefix
-    if strip and not all(k.startswith(strip) for k in ckpt.state_dict):
-        raise CheckpointError("{}: not every key starts with --strip-prefix {!r}".format(args.input, strip))
-    state = {k[len(strip):]: v for k, v in ckpt.state_dict.items()}
-    save_state_dict(state, args.output, fmt_out, rules)
-    print("wrote {} ({} tensors, {} -> {})".format(args.output, len(state), fmt_in, fmt_out))
+    unmapped = "keep" if args.keep_unmapped else "drop" if args.drop_unmapped else "error"
+    report = convert_checkpoint(args.input, args.output, rules=rules_of(args), unmapped=unmapped,
+                                strip_prefix=args.strip_prefix, key=args.key, trust=args.trust_checkpoint)
+    print("wrote {} ({} tensors, {} -> {})".format(args.output, len(report.mapped), detect_format(args.input),
+                                                    detect_format(args.output)))
+    for title, names in (("kept under their own names", report.kept), ("dropped (--drop-unmapped)", report.dropped),
+                         ("left out, not model state", report.skipped)):
+        if names:
+            print("  {} {}: {}".format(len(names), title, ", ".join(names)))
