@@ -105,3 +105,24 @@ def test_stats_after_each_training_phase_match_recompute(cache_samples):
 def test_rejects_a_bad_sample_count():
     with pytest.raises(ConfigError, match="num_samples"):
         PreciseBatchNormHook(num_samples=0)
+
+
+def test_built_from_a_task_config_through_the_registry():
+    from classy_vision.hooks import build_hook
+    from classy_vision.hooks.precise_batch_norm_hook import PreciseBatchNormHook as ClassyOwnHook
+
+    hook = build_hook({"name": "exact_precise_bn", "num_samples": 10.0, "cache_samples": True, "exact": True})
+    assert isinstance(hook, PreciseBatchNormHook) and hook.cache_samples and hook.options.exact
+    assert hook.options.num_samples == 10
+    assert isinstance(build_hook({"name": "precise_bn", "num_samples": 10}), ClassyOwnHook)
+
+
+def test_unknown_keys_and_bad_values_fail_at_construction():
+    with pytest.raises(TypeError, match="'exatc'.*'exact'"):
+        PreciseBatchNormHook.from_config({"num_samples": 10, "exatc": True})
+    with pytest.raises(TypeError, match="exatc"):
+        PreciseBatchNormHook(10, exatc=True)
+    with pytest.raises(ConfigError, match="num_samples"):
+        PreciseBatchNormHook.from_config({})
+    with pytest.raises(ConfigError, match="rtol"):
+        PreciseBatchNormHook(10, rtol=5)

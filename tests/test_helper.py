@@ -127,3 +127,10 @@ def test_original_global_config_is_read_when_its_module_is_loaded(monkeypatch):
     assert helper.compute_and_update_bn_stats(0).batches == 2 and model.forwards == 2
     monkeypatch.setattr(sys.modules["core.config"], "config", SimpleNamespace(TRAIN=SimpleNamespace()))
     assert BatchNormHelper().iters == 200  # a module of that name without the original's keys is not read
+
+
+def test_options_are_checked_when_the_helper_is_built():
+    with pytest.raises(TypeError, match="BatchNormHelper.*'exatc'"):
+        BatchNormHelper(exatc=True)
+    with pytest.raises(ConfigError, match="iters"):
+        BatchNormHelper(iters=0)

@@ -184,11 +184,18 @@ def test_extra_model_recomputed_on_the_same_batches():
         ({"checkpoint_period": 1.5}, "checkpoint_period"),
         ({"num_batches": 0}, "num_batches"),
         ({"num_batches": None}, "num_samples"),
+        ({"rtol": 0.0}, "rtol"),
+        ({"device": "nowhere"}, "nowhere"),
     ],
 )
 def test_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ConfigError, match=name):
         PreciseBNHook(make_model(), make_batches(1), **kwargs)
+
+
+def test_a_misspelt_option_fails_when_the_hook_is_built():
+    with pytest.raises(TypeError, match="PreciseBNHook.*'exatc'.*did you mean 'exact'"):
+        PreciseBNHook(make_model(), make_batches(1), exatc=True)
 
 
 @pytest.mark.main_env

@@ -163,6 +163,13 @@ def test_validate_without_training_data_leaves_the_stats_and_warns():
         assert torch.equal(mean, before[name][0]) and torch.equal(var, before[name][1])
 
 
+def test_options_are_checked_when_the_callback_is_built():
+    with pytest.raises(TypeError, match="PreciseBNCallback.*'exatc'"):
+        PreciseBNCallback(exatc=True)
+    with pytest.raises(ConfigError, match="min_batches"):
+        PreciseBNCallback(min_batches=0)
+
+
 def test_unknown_attribute_is_named():
     with pytest.raises(ConfigError, match="'backbone'"):
         PreciseBNCallback(attribute="backbone").target(TinyNet())
