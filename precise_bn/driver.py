@@ -43,7 +43,12 @@ Stats = Tuple[torch.Tensor, torch.Tensor]
 
 class Backend(Protocol):
     """What the driver needs from a backend: the layers, running batches, reading statistics,
-    and writing results as the very last step of a call."""
+    and writing results as the very last step of a call.
+
+    Optional: ``check_trust(stats, report)``, called with the statistics merged over ranks once
+    the report is built, before anything is written, to name in ``LayerReport.untrusted`` (and
+    warn about) channels whose kernel statistics the backend cannot vouch for.
+    """
 
     estimator: str
     names: List[str]
@@ -264,9 +269,16 @@ def recalibrate(
     rank raise :class:`~precise_bn.DistributedError`; no rank writes unless all can.
     """
     started = time.perf_counter()
-    relays = Relays().install()
-    ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
+    relays = Relays()
+    ranks: Optional[Ranks] = None
+    # Everything from installing the relays to the write is inside the ``try``: an exception
+    # between two statements (a signal's handler) must still release the relays and tell the
+    # other ranks. The model is put back by leaving ``backend.attached()``, or by ``finish``;
+    # a signal handled as the ``with`` block ends but before its ``__exit__`` runs skips the
+    # former, which the PyTorch entry point covers (:func:`precise_bn.api.recalibrate`).
     try:
+        relays.install()
+        ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
         backend = make_backend()
         ranks.exchange(ACTIVE, layout_=layout(backend.collect()))
         if not backend.names:
@@ -286,12 +298,16 @@ def recalibrate(
             results = finalize(outcome.stats, opts.unbiased)
             report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
                                   world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
+            check_trust = getattr(backend, "check_trust", None)
+            if check_trust is not None:
+                check_trust(outcome.stats, report)
             logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                         report.samples, report.seconds, report.stop)
             ranks.exchange(ACTIVE)
             ranks.finished = True
+        return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))
     except BaseException:
-        ranks.abort()
+        if ranks is not None:
+            ranks.abort()
         relays.release()
         raise
-    return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))

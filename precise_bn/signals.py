@@ -14,11 +14,27 @@ store, which a signal cannot split. Blocking signals at the OS level (``pthread_
 would not do: the kernel then hands a process signal to another thread, and CPython still runs
 the handler in the main thread at once.
 
-The last write of a call is made inside a section that also takes the relays away
-(:meth:`Relays.release`), and is undone if anything is raised before the call returns (see
-:meth:`precise_bn.pytorch.bn_pass.BNPass.finish`): once the originals are back, a signal is
-handled at the next check CPython makes, which is still inside that guarded code. A relay
-left behind (a signal cut the restoring loop short) puts its original back when it next fires.
+Installing the relays undoes itself if a handler raises half-way; a release that a handler cut
+short is finished by the next call to it, which every caller's ``except`` makes. Callers install
+inside the ``try`` whose ``except`` releases: a signal handled between the two would otherwise
+leave the relays in place. Neither is a critical section, and a critical section is entered
+only while the relays are installed (or on the way out of a call that is already raising,
+where it would take a second signal): a handler that is not relayed could raise between
+``critical.__enter__`` counting the section and returning, or on entering ``__exit__``, and the
+count would never come down.
+
+The last write of a call (:func:`write_last`) is one section; the signals deferred meanwhile
+are handed to their handlers when it ends, while the relays are still installed and the write
+can still be undone; the relays are released after it. Whatever is raised before
+:func:`write_last` returns undoes the write. On CPython 3.11 a signal is handled only on
+entering a function, on a loop's back-edge and after a call to C, so callers that end with
+``return write_last(...)`` (and their callers, each ``return``-ing the call) run nothing after
+it where a signal could be handled. Python 3.9 checks at nearly every bytecode, also between a
+function's last call and its return and while a returning frame's objects are freed; the
+PyTorch entry points put the model back if anything is raised before they return
+(:func:`precise_bn.api.recalibrate`), which leaves the last few bytecodes of the entry point
+and the freeing of its pass: a signal handled there raises with the new statistics in place
+(``benchmarks/INTERRUPTS.md`` measures how often); Python code cannot close that window.
 
 Signal handlers only ever run in the main thread; called from another thread, nothing here
 changes any handler and sections need no protection.
@@ -27,13 +43,13 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
 T = TypeVar("T")
 
 _originals: Dict[int, Callable[..., Any]] = {}
 _pending: List[Tuple[int, Any]] = []
-_owners = 0
+_holders: Set["Relays"] = set()
 _depth = 0
 
 
@@ -43,103 +59,126 @@ def in_critical_section() -> bool:
 
 
 def _relay(signum: int, frame: Any) -> None:
+    """Defer the signal inside a critical section, else pass it on; a relay that no call holds
+    any more (a release was cut short) first puts its original back."""
     original = _originals.get(signum)
     if original is None:
         return
     if _depth:
         _pending.append((signum, frame))
         return
-    if not _owners:
+    if not _holders:
         signal.signal(signum, original)
-        del _originals[signum]
+        _originals.pop(signum, None)
     original(signum, frame)
 
 
-class Relays:
-    """The relays of one call: :meth:`install` at its start, :meth:`release` exactly once at
-    its end (further calls do nothing). Nested calls share the relays of the outermost."""
+def _put_back() -> None:
+    # Each original is forgotten only once it is back: cut short anywhere (a relay may give its
+    # own original back in between, see ``_relay``), this can run again and finish.
+    for signum in list(_originals):
+        original = _originals.get(signum)
+        if original is not None and signal.getsignal(signum) is _relay:
+            signal.signal(signum, original)
+        _originals.pop(signum, None)
 
-    def __init__(self) -> None:
-        self._held = False
+
+def _deliver() -> None:
+    while _pending:
+        signum, frame = _pending.pop(0)
+        handler = _originals.get(signum) or signal.getsignal(signum)
+        if callable(handler) and handler is not _relay:
+            handler(signum, frame)
+
+
+class Relays:
+    """The relays of one call: :meth:`install` at its start (inside the ``try`` that releases),
+    :meth:`release` at its end; both may be called again. Nested calls share the relays of the
+    outermost.
+
+    A call holds the relays while it is in ``_holders``: adding and discarding is one
+    operation each, which a signal cannot split.
+    """
 
     def install(self) -> "Relays":
-        global _owners
-        if threading.current_thread() is not threading.main_thread() or self._held:
+        """Relay every Python signal handler. If a handler raises meanwhile (an original not
+        relayed yet, or a relay passing a signal on), what was done is undone before the
+        exception leaves. Not a critical section (see the module docstring)."""
+        if threading.current_thread() is not threading.main_thread() or self in _holders:
             return self
-        if not _owners:
-            _pending.clear()
-            for signum in signal.valid_signals():
-                try:
-                    handler = signal.getsignal(signum)
-                except (OSError, ValueError):
-                    continue
-                if callable(handler) and handler is not _relay:
-                    _originals[signum] = handler
-                    signal.signal(signum, _relay)
-        _owners += 1
-        self._held = True
+        try:
+            first = not _holders
+            _holders.add(self)
+            if first:
+                _pending.clear()
+                for signum in signal.valid_signals():
+                    try:
+                        handler = signal.getsignal(signum)
+                    except (OSError, ValueError):
+                        continue
+                    if callable(handler) and handler is not _relay:
+                        _originals[signum] = handler
+                        signal.signal(signum, _relay)
+        except BaseException:
+            self.release()
+            raise
         return self
 
     def release(self) -> None:
-        global _owners
-        if not self._held:
+        """Give the original handlers back once no call holds the relays.
+
+        Not a critical section (see the module docstring): a handler that raises half-way
+        leaves some relays in place, and the caller's ``except``, calling this again,
+        finishes the job.
+        """
+        if threading.current_thread() is not threading.main_thread():
             return
-        self._held = False
-        _owners -= 1
-        if not _owners:
-            for signum in list(_originals):
-                if signal.getsignal(signum) is _relay:
-                    signal.signal(signum, _originals[signum])
-                del _originals[signum]
+        _holders.discard(self)
+        if not _holders:
+            _put_back()
 
 
 class critical:
-    """``with critical() as section:`` defers signals for the block and hands them to their
-    handlers when the outermost block ends; a handler that raises then raises there.
-
-    ``section.interrupted`` tells, inside the block, that a signal is waiting: work that must
-    not survive an interrupted call can be undone before the block ends.
-    """
+    """``with critical():`` defers signals for the block and hands them to their handlers when
+    the outermost block ends; a handler that raises then raises there. Entered only while the
+    call's relays are installed (see the module docstring)."""
 
     def __enter__(self) -> "critical":
         global _depth
         _depth += 1
         return self
 
-    @property
-    def interrupted(self) -> bool:
-        return bool(_pending)
-
     def __exit__(self, *exc: Any) -> None:
         global _depth
         _depth -= 1
         if not _depth:
-            while _pending:
-                signum, frame = _pending.pop(0)
-                handler = _originals.get(signum) or signal.getsignal(signum)
-                if callable(handler) and handler is not _relay:
-                    handler(signum, frame)
+            _deliver()
 
 
 def write_last(write: Callable[[], Any], undo: Callable[[], Any], relays: Optional[Relays] = None,
                value: T = None) -> T:
     """Make ``write()`` a call's last change, never left behind by a call that raises.
 
-    ``write`` runs in one critical section that also releases the call's ``relays``. If a
-    signal arrived meanwhile, or anything is raised before this function returns (a handler
-    run at CPython's next check, once the original handlers are back), ``undo()`` runs before
-    the exception leaves. Returns ``value``: callers end with ``return write_last(...)``, so
-    that none of their code runs after the write.
+    ``write`` runs in one critical section; the signals deferred meanwhile then go to their
+    handlers, and the call's ``relays`` are released (None: relays are installed here, for the
+    write alone). If anything is raised before this function returns (a handler, or a signal
+    handled at CPython's next check once the original handlers are back), ``undo()`` runs
+    before the exception leaves. A handler that does not raise leaves the write in place.
+    Returns ``value``: callers end with ``return write_last(...)``, so that none of their code
+    runs after the write.
     """
+    if relays is None:
+        relays = Relays()
     try:
-        with critical() as section:
+        relays.install()  # does nothing when the call installed them
+        with critical():
             write()
-            if relays is not None:
-                relays.release()
-            if section.interrupted:
-                undo()
+        relays.release()
         return value
     except BaseException:
-        with critical():
-            undo()
+        try:
+            with critical():
+                undo()
+        finally:
+            relays.release()
         raise

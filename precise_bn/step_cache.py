@@ -19,7 +19,7 @@ from .data import CyclingBatches, smart_forward
 from .options import ForwardFn, Options
 from .report import BNReport
 from .pytorch.layers import select_layers, unwrap_model
-from .signals import Relays, write_last
+from .signals import write_last
 
 C = TypeVar("C")
 Store = Callable[[C, BNReport], None]
@@ -37,11 +37,21 @@ class StepCache(Generic[C]):
 
     def at(self, step: Any, compute: Callable[[Store], BNReport], apply: Callable[[C], None]) -> BNReport:
         """``apply`` the cached values when ``step`` is the cached one (``None`` never is);
-        else ``compute(store)``, which must call ``store(values, report)`` once it has written."""
+        else ``compute(store)``, which must call ``store(values, report)`` once it has written.
+
+        ``apply`` writes last (it returns None, so the report is read in the same expression:
+        no statement runs after the write). A ``compute`` that raises after it stored (a
+        signal as its write ended: the write is undone) leaves the cache as it was, so the
+        next call at this step recomputes rather than writing back stats the model never kept.
+        """
         if step is not None and self.value is not None and step == self.step and self.report is not None:
-            apply(self.value)
-            return self.report
-        return compute(lambda value, report: self._store(step, value, report))
+            return apply(self.value) or self.report
+        kept = self.step, self.value, self.report, self.runs
+        try:
+            return compute(lambda value, report: self._store(step, value, report))
+        except BaseException:
+            self.step, self.value, self.report, self.runs = kept
+            raise
 
     def _store(self, step: Any, value: C, report: BNReport) -> None:
         self.step, self.value, self.report = step, value, report
@@ -102,7 +112,8 @@ class TorchJob:
         return recalibrate(self.net, self.batches, self.opts, self.default_forward, on_write=on_write)
 
     def apply(self, cache: TorchCache) -> None:
-        """Write cached stats back as one step that an interrupt cannot split or leave behind."""
+        """Write cached stats back as one step that an interrupt cannot split or leave behind
+        (:func:`~precise_bn.signals.write_last`, which also installs the signal relays)."""
         modules = dict(self.net.named_modules())
         targets = [(modules[name], mean, var) for name, (mean, var) in cache.items()]
         saved = [(m.running_mean.clone(), m.running_var.clone()) for m, _, _ in targets]
@@ -113,5 +124,4 @@ class TorchJob:
                     module.running_mean.copy_(mean)
                     module.running_var.copy_(var)
 
-        relays = Relays().install()
-        return write_last(lambda: copy([(mean, var) for _, mean, var in targets]), lambda: copy(saved), relays)
+        return write_last(lambda: copy([(mean, var) for _, mean, var in targets]), lambda: copy(saved))

@@ -141,6 +141,13 @@ def recompute_checkpoint(
     calls = "" if opts.forward_fn is None else " through forward_fn {}".format(
         getattr(opts.forward_fn, "__qualname__", opts.forward_fn))
     report = _measure(net, batches, opts, _label(model, "--model") + calls)
+    _write(ckpt, net, prefix, report, targets, out, report_path)
+    return report, out
+
+
+def _write(ckpt: Checkpoint, net: nn.Module, prefix: str, report: BNReport, targets: List[str], out: str,
+           report_path: Optional[str]) -> None:
+    """Rank 0 writes the checkpoint (and the report) to the checked ``targets``; all ranks wait."""
     try:
         if distributed.is_main_process():
             apply_bn_stats(ckpt, prefix, bn_stats_of(net, report))
@@ -150,7 +157,6 @@ def recompute_checkpoint(
                 write_report(targets[1], report, ckpt, out, prefix)
     finally:
         distributed.barrier()
-    return report, out
 
 
 def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], out: str, report_path: Optional[str],

@@ -14,7 +14,7 @@ the new statistics are written as the very last step. How:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
@@ -77,6 +77,9 @@ class BNPass:
         return self
 
     def __enter__(self) -> "BNPass":
+        # ``return`` inside the ``try``: a signal handled after the section but before
+        # ``__enter__`` returns would otherwise leave the captures on, with no ``__exit__`` to
+        # come (the ``with`` statement calls it only once ``__enter__`` has returned).
         try:
             with critical(), torch.no_grad():
                 self._saved = [
@@ -88,22 +91,28 @@ class BNPass:
                 for capture, (_, module) in zip(self.captures, self.layers):
                     self._attached.append((capture, module))
                     capture.attach(module)
+            return self
         except BaseException:
             self.restore()
             raise
-        return self
 
-    def running(self) -> ContextManager[Any]:
-        """No autograd, and ``torch.autocast`` on the model's device when asked."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.no_grad())
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """No autograd, and ``torch.autocast`` on the model's device when asked.
+
+        A generator, so that nothing is switched before the caller's ``with`` enters it, and
+        a block left without its ``__exit__`` (a signal handled just before it) still switches
+        back when the generator is collected, instead of leaving autograd off for the process.
+        """
+        autocast: ContextManager[Any] = contextlib.nullcontext()
         if self.autocast:
             tensor = next(iter(self.model.parameters()), None)
             if tensor is None:
                 tensor = next(iter(self.model.buffers()))
             kwargs = {} if self.autocast is True else {"dtype": self.autocast}
-            stack.enter_context(torch.autocast(device_type=tensor.device.type, **kwargs))
-        return stack
+            autocast = torch.autocast(device_type=tensor.device.type, **kwargs)
+        with torch.no_grad(), autocast:
+            yield
 
     def step(self, batch: Any) -> int:
         """Run one batch; an unrecognised batch that the model refuses becomes a BatchError."""
