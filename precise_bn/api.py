@@ -6,7 +6,7 @@ the defaults their originals have (see the README's table of differences).
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Iterable, List, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -143,27 +143,10 @@ def recalibrate(
     """Recalibrate ``model`` on ``data`` with ``opts`` (see :func:`precise_bn.driver.recalibrate`);
     ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None."""
 
-    built: List[BNPass] = []
-
     def make_backend() -> BNPass:
         net = unwrap_model(model)
         forward = opts.forward_fn or default_forward
-        built.append(BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
-                            autocast=opts.autocast,
-                            explain_batches=opts.forward_fn is None and forward is smart_forward))
-        return built[-1]
+        return BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
+                      autocast=opts.autocast, explain_batches=opts.forward_fn is None and forward is smart_forward)
 
-    # A ``with`` block's ``__exit__`` is not guaranteed to run: a signal handled just before it
-    # (on entering it, on CPython 3.11; between the block's last bytecodes, on 3.9) raises
-    # with the captures still on, or autograd still off. Python 3.9 also checks between
-    # ``write_last`` returning and this function returning. So anything raised through here
-    # puts the model back as it was before the call (``restore`` is idempotent and rewinds a
-    # write as well), and autograd as it was.
-    grad_enabled = torch.is_grad_enabled()
-    try:
-        return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=on_write)
-    except BaseException:
-        for bn_pass in built:
-            bn_pass.restore()
-        torch.set_grad_enabled(grad_enabled)
-        raise
+    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=on_write)

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
@@ -27,7 +26,7 @@ import torch
 
 from .data import planned_batches
 from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
-from .errors import EmptyDataError, PreciseBNWarning
+from .errors import EmptyDataError, warn
 from .estimator import PopulationStats
 from .options import Options
 from .report import BNReport, LayerReport
@@ -60,6 +59,9 @@ class Backend(Protocol):
 
     def attached(self) -> ContextManager[Any]:
         """The model prepared for measuring; leaving the block restores it, however it is left."""
+
+    def restore(self) -> None:
+        """Put the model back exactly as before the call (idempotent; rewinds a write too)."""
 
     def running(self) -> ContextManager[Any]:
         """The context the batches run in (no autograd, autocast, ...)."""
@@ -215,7 +217,7 @@ def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") ->
             outcome.local_batches, what, opts.num_batches)
     else:
         return
-    warnings.warn(message, PreciseBNWarning, stacklevel=4)
+    warn(message)
 
 
 def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[Stats]]:
@@ -247,8 +249,8 @@ def build_report(
             mean_stderr=None if mean_se is None else mean_se.cpu(),
             var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps)))
     if report.unused:
-        warnings.warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
-            len(report.unused), ", ".join(report.unused)), PreciseBNWarning, stacklevel=4)
+        warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
+            len(report.unused), ", ".join(report.unused)))
     return report
 
 
@@ -271,11 +273,14 @@ def recalibrate(
     started = time.perf_counter()
     relays = Relays()
     ranks: Optional[Ranks] = None
+    backend: Optional[Backend] = None
+    grad_enabled = torch.is_grad_enabled()
     # Everything from installing the relays to the write is inside the ``try``: an exception
-    # between two statements (a signal's handler) must still release the relays and tell the
-    # other ranks. The model is put back by leaving ``backend.attached()``, or by ``finish``;
-    # a signal handled as the ``with`` block ends but before its ``__exit__`` runs skips the
-    # former, which the PyTorch entry point covers (:func:`precise_bn.api.recalibrate`).
+    # between two statements (a signal's handler) must still release the relays, tell the other
+    # ranks and put the model back. Leaving ``backend.attached()`` puts it back too, but a
+    # ``with`` block's ``__exit__`` is not guaranteed to run: a signal handled just before it
+    # (on entering it, on CPython 3.11) raises with the captures still on, or autograd still
+    # off. ``backend.restore()`` is idempotent and rewinds a write as well.
     try:
         relays.install()
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
@@ -286,28 +291,38 @@ def recalibrate(
             ranks.finished = True
             relays.release()
             return BNReport(world_size=ranks.world, estimator=backend.estimator)
-        logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
-                    "" if len(backend.names) == 1 else "s", backend.estimator)
-        old = backend.old_stats()
-        with backend.attached():
-            outcome = run_pass(backend, iter(data), opts, ranks, planned_batches(data, opts.num_batches), label)
-            if outcome.batches == 0:
-                raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
-                    " on any rank" if ranks.world > 1 else ""))
-            warn_if_short(opts, outcome, budget_name)
-            results = finalize(outcome.stats, opts.unbiased)
-            report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
-                                  world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
-            check_trust = getattr(backend, "check_trust", None)
-            if check_trust is not None:
-                check_trust(outcome.stats, report)
-            logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
-                        report.samples, report.seconds, report.stop)
-            ranks.exchange(ACTIVE)
-            ranks.finished = True
+        results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
         return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))
     except BaseException:
         if ranks is not None:
             ranks.abort()
+        if backend is not None:
+            backend.restore()
+        torch.set_grad_enabled(grad_enabled)
         relays.release()
         raise
+
+
+def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks, budget_name: str, label: str,
+             started: float) -> Tuple[List[Optional[Stats]], BNReport]:
+    """The pass, the merge, the report and every warning; a last round says every rank got here."""
+    logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
+                "" if len(backend.names) == 1 else "s", backend.estimator)
+    old = backend.old_stats()
+    with backend.attached():
+        outcome = run_pass(backend, iter(data), opts, ranks, planned_batches(data, opts.num_batches), label)
+        if outcome.batches == 0:
+            raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
+                " on any rank" if ranks.world > 1 else ""))
+        warn_if_short(opts, outcome, budget_name)
+        results = finalize(outcome.stats, opts.unbiased)
+        report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
+                              world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
+        check_trust = getattr(backend, "check_trust", None)
+        if check_trust is not None:
+            check_trust(outcome.stats, report)
+        logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
+                    report.samples, report.seconds, report.stop)
+        ranks.exchange(ACTIVE)
+        ranks.finished = True
+    return results, report

@@ -1,5 +1,10 @@
-"""The package's exception types: every error a user can act on derives from PreciseBNError."""
+"""The package's exception types (every error a user can act on derives from PreciseBNError), its
+warning type, and :func:`warn`, which names the user's line."""
 from __future__ import annotations
+
+import os
+import sys
+import warnings
 
 
 class PreciseBNError(Exception):
@@ -45,3 +50,17 @@ class BackendUnavailableError(PreciseBNError, ImportError):
 
 class PreciseBNWarning(UserWarning):
     """Something the user should know but that does not stop the job (short data, unused layers)."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn(message: str) -> None:
+    """Issue a :class:`PreciseBNWarning` that points at the user's line: the first frame, going
+    outwards, whose code is not the package's (however deep in the package the warning arose)."""
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, PreciseBNWarning, stacklevel=level)

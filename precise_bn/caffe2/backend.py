@@ -38,7 +38,6 @@ import contextlib
 import itertools
 import logging
 import math
-import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -46,7 +45,7 @@ import torch
 
 from ..data import CyclingBatches
 from ..driver import recalibrate
-from ..errors import ConfigError, LayerError, NonFiniteStatsError, PreciseBNWarning
+from ..errors import ConfigError, LayerError, NonFiniteStatsError, warn
 from ..estimator import PopulationStats
 from ..options import Options
 from ..report import BNReport
@@ -159,8 +158,7 @@ class Caffe2AuxModel:
         step an interrupt cannot split or leave behind."""
         snapshot = self.snapshot()
         fed = [(b, mean, var) for name, (mean, var) in cache.items() for b in self.layers[name]]
-        relays = Relays().install()
-        return write_last(lambda: self.restore(fed), lambda: self.restore(snapshot), relays)
+        return write_last(lambda: self.restore(fed), lambda: self.restore(snapshot))
 
 
 class _Caffe2Pass:
@@ -190,7 +188,11 @@ class _Caffe2Pass:
         try:
             yield
         finally:
-            self.aux.restore(self._snapshot)
+            self.restore()
+
+    def restore(self) -> None:
+        """Every device's running stats as before the pass (train-mode SpatialBN updates them)."""
+        self.aux.restore(self._snapshot)
 
     def running(self) -> Any:
         return contextlib.nullcontext()
@@ -258,11 +260,11 @@ class _Caffe2Pass:
                 channels = ", ".join(map(str, layer.untrusted[:8])) + (", ..." if len(layer.untrusted) > 8 else "")
                 named.append("{} (channels {})".format(layer.name, channels))
         if named:
-            warnings.warn(
+            warn(
                 "Caffe2's float32 SpatialBN kernel computes E[x^2]-E[x]^2: in {} layer(s) some channels' mean is so "
                 "large next to their std that the written variance may be off by more than {:g} of itself: {}. "
                 "Recompute with exact=True to measure the inputs in float64".format(
-                    len(named), UNTRUSTED_RTOL, "; ".join(named)), PreciseBNWarning, stacklevel=2)
+                    len(named), UNTRUSTED_RTOL, "; ".join(named)))
 
     def collect(self) -> List[PopulationStats]:
         return self.stats
