@@ -212,3 +212,101 @@ def test_swa_drop_in_refuses_an_empty_loader_and_moves_only_the_input():
     model.forward = lambda x: (moved.append(x.device), original(x))[1]
     update_bn(itertools.islice(([x.double().float(), "label"] for x in _images(2)), 2), model, device="cpu")
     assert moved == [torch.device("cpu")] * 2
+
+
+class _Fails:
+    """Two batches, then the loader breaks."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        yield from self.batches[:2]
+        raise OSError("loader broke")
+
+
+def test_every_fvcore_difference_in_the_readme_table():
+    images = _images(3)
+    # return value, data shorter than num_iters, no batch at all, num_iters=None
+    assert fvcore_update_bn_stats(nn.BatchNorm2d(3), images, num_iters=3) is None
+    with pytest.raises(AssertionError):
+        fvcore_update_bn_stats(nn.BatchNorm2d(3), images, num_iters=5)
+    with pytest.raises(AssertionError):
+        fvcore_update_bn_stats(nn.BatchNorm2d(3), [], num_iters=2)
+    with pytest.raises(EmptyDataError):
+        update_bn_stats(nn.BatchNorm2d(3), [], num_iters=2)
+    with pytest.raises(TypeError):
+        fvcore_update_bn_stats(nn.BatchNorm2d(3), images, num_iters=None)
+    assert update_bn_stats(nn.BatchNorm2d(3), images, num_iters=None).batches == 3
+    # num_batches_tracked and rebinding of the buffers; a layer that never ran
+    for run in (fvcore_update_bn_stats, update_bn_stats):
+        bn = nn.BatchNorm2d(3)
+        mean_object = bn.running_mean
+        run(bn, images, 3)
+        if run is fvcore_update_bn_stats:
+            assert float(bn.num_batches_tracked) == 3 and bn.running_mean is not mean_object
+        else:
+            assert float(bn.num_batches_tracked) == 0 and bn.running_mean is mean_object
+    for run in (fvcore_update_bn_stats, update_bn_stats):
+        pair = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3))
+        pair[1].running_mean.fill_(7.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PreciseBNWarning)
+            run(_FirstOnly(pair), images, 3)
+        expected = 0.0 if run is fvcore_update_bn_stats else 7.0
+        assert torch.equal(pair[1].running_mean, torch.full((3,), expected))
+    # an exception mid-pass
+    for run in (fvcore_update_bn_stats, update_bn_stats):
+        bn = nn.BatchNorm2d(3, momentum=0.2)
+        with pytest.raises(OSError):
+            run(bn, _Fails(images), 3)
+        assert bn.momentum == (1.0 if run is fvcore_update_bn_stats else 0.2)
+
+
+class _FirstOnly(nn.Module):
+    """Runs only the first layer of a Sequential: the second never runs."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x):
+        return self.seq[0](x)
+
+
+def test_every_swa_difference_in_the_readme_table():
+    gen = torch.Generator().manual_seed(4)
+    ragged = [torch.randn(n, 3, 4, 4, generator=gen) * 2 + k for k, n in enumerate((2, 9, 3))]
+    ours, theirs = SwaRecorder(), SwaRecorder()
+    ours.drop.p = theirs.drop.p = 0.0
+    modes = []
+    for model in (ours, theirs):
+        model.eval()
+        original = model.drop.forward
+        model.drop.forward = lambda x, original=original: (modes.append(original.__self__.training), original(x))[1]
+    assert update_bn(ragged, ours) is not None and swa_utils.update_bn(ragged, theirs) is None
+    ref_mean, ref_var, _ = float64_reference(nn.Sequential(nn.BatchNorm2d(3)), ragged)["0"]
+    assert_close_default(ours.bn.running_mean, ours.bn.running_var, ref_mean, ref_var)
+    assert (theirs.bn.running_mean - ref_mean.float()).abs().max() > 0.1  # equal weights per batch
+    assert modes == [False] * 3 + [True] * 3  # swa_utils switched dropout to training mode
+    assert float(theirs.bn.num_batches_tracked) == 3 and float(ours.bn.num_batches_tracked) == 0
+    # empty loader, device with a dict input, an exception mid-pass
+    for run, expected in ((swa_utils.update_bn, None), (update_bn, EmptyDataError)):
+        model = SwaRecorder()
+        model.bn.running_var.fill_(4.0)
+        if expected is None:
+            run([], model)
+            assert torch.equal(model.bn.running_var, torch.ones(3))
+        else:
+            with pytest.raises(expected):
+                run([], model)
+            assert torch.equal(model.bn.running_var, torch.full((3,), 4.0))
+    dict_batches = [({"x": x}, 0) for x in _images(2)]
+    with pytest.raises(AttributeError):
+        swa_utils.update_bn(dict_batches, SwaRecorder(), device="cpu")
+    update_bn(dict_batches, SwaRecorder(), device="cpu")
+    for run in (swa_utils.update_bn, update_bn):
+        model = SwaRecorder()
+        with pytest.raises(OSError):
+            run(_Fails(_images(3)), model)
+        assert model.bn.momentum == (None if run is swa_utils.update_bn else 0.3)

@@ -404,3 +404,22 @@ def test_report_drift_and_json():
     data = report.to_dict()
     assert data["layers"][0]["name"] == "bn" and data["batches"] == 2
     assert math.isfinite(data["layers"][0]["var_drift"])
+
+
+def test_a_compiled_model_is_reported_under_the_users_layer_names():
+    compile_ = getattr(torch, "compile", None)  # torch >= 2.0
+    model = nn.Sequential(nn.Conv2d(C, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+    batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)], huge=False, dead=False)
+    reference = float64_reference(model, batches)
+    wrapped = compile_(model) if compile_ is not None else model
+    assert compile_ is None or "_orig_mod.1" in dict(wrapped.named_modules())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = recompute(wrapped, batches, layers=["1", "4"])
+        never = recompute(wrapped, batches[:1], layers=["1", "4"], forward_fn=lambda m, b: m[1](m[0](b)))
+    assert [layer.name for layer in report.layers] == ["1", "4"]
+    assert never.unused == ["4"] and any("never ran" in str(w.message) and ": 4" in str(w.message) for w in caught)
+    for name in ("1", "4"):
+        module = dict(model.named_modules())[name]
+        assert_close_default(report[name].new_mean, report[name].new_var, *reference[name][:2], name)
+        assert type(module) is nn.BatchNorm2d
