@@ -31,9 +31,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cases  # noqa: E402
 import common  # noqa: E402
 
-from precise_bn.torch_backend import BNPass, select_layers  # noqa: E402
+from precise_bn.data import smart_forward  # noqa: E402
+from precise_bn.pytorch.bn_pass import BNPass  # noqa: E402
+from precise_bn.pytorch.layers import select_layers  # noqa: E402
 
 VARIANTS = ("identical", "empty hook", "capture")
 
@@ -41,7 +44,7 @@ VARIANTS = ("identical", "empty hook", "capture")
 def _prepare(variant: str, model: nn.Module) -> Callable[[], None]:
     """Set copy B up for ``variant``; returns how to undo it."""
     if variant == "capture":
-        bn_pass = BNPass(model, select_layers(model))
+        bn_pass = BNPass(model, select_layers(model), smart_forward)
         bn_pass.__enter__()
         return lambda: bn_pass.__exit__(None, None, None)
     if variant == "empty hook":
@@ -84,9 +87,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = common.parse_common(parser, argv)
     reps = args.reps or (2 if args.quick else 60)
     case = (
-        common.Case("mobilenet_v3_large", (3, 32, 32), 4, 2)
+        cases.Case("resnet_style_2d", (3, 8, 8), 2, 2, options={"widths": (8,), "blocks": 1})
         if args.quick
-        else common.Case("mobilenet_v3_large", (3, 64, 64), 16, 8)
+        else cases.Case("mobilenet_v3_large", (3, 64, 64), 16, 8)
     )
     model, batches = case.build()
     rows = []
@@ -98,9 +101,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows.append([variant, "{:.4f}".format(statistics.median(r)), "{:.2f}-{:.2f}".format(min(r), max(r))])
     body = "\n\n".join([
         "## Per-call cost, batch by batch (`benchmarks/interleaved.py`)",
-        "Command: `{}`".format(common.command_line()),
+        "Command: `{}`".format(common.command_line(argv)),
         common.environment_text(args.threads),
-        common.markdown_table(common.CASE_HEADERS, [case.describe(model)]),
+        common.markdown_table(cases.CASE_HEADERS, [case.describe(model)]),
         "Two copies of the model take the same batches alternately, one batch at a time; copy B "
         "is set up as the row says (see the script's docstring), copy A is plain. Median over {} "
         "repetitions of B's time over A's, each repetition summing {} batches. `identical` is "

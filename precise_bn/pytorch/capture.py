@@ -18,10 +18,12 @@ are merged into the layer's float64 :class:`~precise_bn.estimator.PopulationStat
 vectorised step. The layer's own buffers are never written during the pass, and memory is
 bounded by the blocks whatever the number of batches.
 
-``exact=True`` measures each call from its input instead, and merges it at once: shifted by the
-float32 batch mean the kernel just wrote, the input is of the order of its std, so float64 sums
-of the shifted values and their squares do not cancel even when mean/std = 1e4, and a constant
-channel gives exactly 0.
+``exact=True`` keeps the kernel's statistics for the layers where they meet the exact bound
+(decided from a layer's first call and re-checked block by block: :mod:`.trust`) and measures
+every call of the others from its input: shifted by the float32 batch mean the kernel just
+wrote, the input is of the order of its std, so float64 sums of the shifted values and their
+squares do not cancel even when mean/std = 1e4, and a constant channel gives exactly 0. Those
+float64 statistics go into a float64 block of their own, merged like the kernel's.
 
 Why SyncBatchNorm runs as plain BN: a per-call all-gather would pair up with another rank's
 merge, or hang as soon as ranks have different numbers of batches; normalising each rank's batch
@@ -40,6 +42,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..estimator import PopulationStats, combine_calls
+from . import trust
 
 MAX_BLOCK_CALLS = 64
 _BLOCK_VALUES = 1 << 16
@@ -108,11 +111,13 @@ class Scratch(threading.local):
 
 class _Block:
     """Per-channel means (``store[0, i]``) and variances (``store[1, i]``) of the pending calls
-    on one device. Allocated and zeroed whole, before the first forward, so memory does not
-    move with the number of batches; a slot's two views are made on first use and kept."""
+    on one device: the kernel's (float32, unbiased variances) or measured ones (float64,
+    ``unbiased=False``). Allocated and zeroed whole, before the first forward, so memory does
+    not move with the number of batches; a slot's two views are made on first use and kept."""
 
-    def __init__(self, like: torch.Tensor, calls: int):
-        self.store = torch.zeros(2, calls, like.numel(), dtype=like.dtype, device=like.device)
+    def __init__(self, like: torch.Tensor, calls: int, dtype: Optional[torch.dtype] = None, unbiased: bool = True):
+        self.store = torch.zeros(2, calls, like.numel(), dtype=dtype or like.dtype, device=like.device)
+        self.unbiased = unbiased
         self.counts: List[int] = []
         self.slots: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -131,6 +136,9 @@ class CallCapture:
 
     Thread-safe: ``nn.DataParallel`` runs the replicas of a layer in threads. A lock held for
     the call keeps one writer per block; blocks are kept per device.
+
+    With ``exact``, ``trusted`` says whether the layer's calls still take the kernel's
+    statistics (None until its first call has been checked).
     """
 
     def __init__(
@@ -142,10 +150,11 @@ class CallCapture:
     ):
         self.stats = stats
         self.exact = exact
-        # With ``exact`` every call is measured and merged at once, so one slot is enough.
-        self.block_calls = 1 if exact else block_calls or calls_per_block(stats.num_channels)
+        self.trusted: Optional[bool] = None if exact else True
+        self.block_calls = block_calls or calls_per_block(stats.num_channels)
         self._scratch = scratch if scratch is not None else Scratch()
         self._blocks: Dict[torch.device, _Block] = {}
+        self._measured: Dict[torch.device, _Block] = {}
         self._lock = threading.Lock()
         self.saved_class: Optional[type] = None
         self.saved_momentum: Optional[float] = None
@@ -191,7 +200,8 @@ class CallCapture:
             block = self._blocks.get(x.device) or self._block_for(module.running_mean)
             i = len(block.counts)
             mean, var = block.slot(i)
-            if direct and not args and not kwargs:
+            direct = direct and not args and not kwargs
+            if direct:
                 module._check_input_dim(x)
                 out = F.batch_norm(x, mean, var, module.weight, module.bias, True, 1.0, module.eps)
             else:
@@ -204,18 +214,29 @@ class CallCapture:
                 # Nothing was measured; the kernel may have left 0/0 in the slot.
                 mean.zero_()
                 var.zero_()
-            elif self.exact:
-                self.stats.add_call(*self._measure_input(x.detach(), mean, n), n)
-            else:
+            elif not self.exact or self._keeps_kernel_stats(x, direct, mean, var):
                 block.counts.append(n)
                 if i + 1 == self.block_calls:
+                    if self.exact:
+                        self.trusted = trust.block_within(*block.pending())
                     self._merge(block)
+            else:
+                self._measure_input(x.detach(), mean, n)
             return out
 
-    def _measure_input(
-        self, x: torch.Tensor, shift32: torch.Tensor, n: int
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Float64 mean and biased variance of this call's input, per channel.
+    def _keeps_kernel_stats(self, x: torch.Tensor, direct: bool, mean: torch.Tensor, var: torch.Tensor) -> bool:
+        """With ``exact``: whether this call may take the kernel's statistics (:mod:`.trust`).
+        Decided on the layer's first call; a later call that the kernel would sum in float32,
+        or a full block that fails its check, ends it for the rest of the pass."""
+        if self.trusted is None:
+            self.trusted = direct and trust.double_accumulated(x) and trust.first_call_within(x, mean, var)
+        elif self.trusted and not (direct and trust.double_accumulated(x)):
+            self.trusted = False
+        return self.trusted
+
+    def _measure_input(self, x: torch.Tensor, shift32: torch.Tensor, n: int) -> None:
+        """Float64 mean and biased variance of this call's input, per channel, into the next
+        slot of the layer's float64 block.
 
         ``y = x - shift`` is written channel-major into a float64 buffer reused across calls,
         so each channel's values are one contiguous row: its sum and its 2-norm are then plain
@@ -225,6 +246,11 @@ class CallCapture:
         of y^2 over a sample's spatial positions carry up to 1e-7 relative error, the whole of
         the exact bound.
         """
+        block = self._measured.get(x.device)
+        if block is None:
+            block = self._measured[x.device] = _Block(shift32, self.block_calls, torch.float64, unbiased=False)
+        i = len(block.counts)
+        mean, var = block.slot(i)
         channels = x.shape[1]
         shift = shift32.double()
         by_channel = x.movedim(1, 0)
@@ -233,59 +259,62 @@ class CallCapture:
         rows = y.view(channels, -1)
         s1 = rows.sum(1)
         s2 = torch.linalg.vector_norm(rows, dim=1).square_()
-        mean = torch.add(shift, s1, alpha=1.0 / n)
-        var = torch.addcmul(s2, s1, s1, value=-1.0 / n).clamp_(min=0).div_(n)
-        return mean, var
+        torch.add(shift, s1, alpha=1.0 / n, out=mean)
+        torch.addcmul(s2, s1, s1, value=-1.0 / n, out=var).clamp_(min=0).div_(n)
+        block.counts.append(n)
+        if i + 1 == self.block_calls:
+            self._merge(block)
 
     def _merge(self, block: _Block) -> None:
         if block.counts:
             pending = block.pending()
             pairs = self._scratch.buffer(pending.shape, pending.device, torch.float64).copy_(pending)
             center = self.stats.center_for(pairs[0, 0])
-            self.stats.add(combine_calls(pairs[0], pairs[1], block.counts, center, unbiased=True))
+            self.stats.add(combine_calls(pairs[0], pairs[1], block.counts, center, unbiased=block.unbiased))
             block.counts = []
+
+    def _all_blocks(self) -> List[_Block]:
+        return list(self._blocks.values()) + list(self._measured.values())
 
     def flush(self) -> PopulationStats:
         """Merge every pending call; returns the layer's stats."""
         with self._lock:
-            for block in self._blocks.values():
+            for block in self._all_blocks():
                 self._merge(block)
         return self.stats
 
     def _uniform_pending(self) -> Optional[_Block]:
-        """The one block, if this layer's pending calls can join a merge of many layers: one
-        device, and every pending call with the same element count."""
-        if len(self._blocks) != 1:
+        """The one block with pending calls, if they can join a merge of many layers: no other
+        block pending, and every pending call with the same element count."""
+        pending = [block for block in self._all_blocks() if block.counts]
+        if len(pending) != 1:
             return None
-        block = next(iter(self._blocks.values()))
-        counts = block.counts
-        if not counts or counts.count(counts[0]) != len(counts):
-            return None
-        return block
+        counts = pending[0].counts
+        return pending[0] if counts.count(counts[0]) == len(counts) else None
 
 
 def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
     """Merge every capture's pending calls and return their stats, in order.
 
-    At the end of a pass every layer has a partly filled block, and merging each alone costs
-    some twenty small operators per layer, which on a CPU adds up to milliseconds. Layers whose
+    At the end of a pass every layer has a partly filled block, and merging each alone is a
+    string of small operators per layer, which on a CPU adds up to milliseconds. Layers whose
     k pending calls all count the same n elements per channel (on one device, in one dtype) are
     merged together instead: their blocks concatenated along the channel axis go through one
     :func:`~precise_bn.estimator.combine_calls`, then each layer takes its channels' part.
     """
-    groups: Dict[Tuple[torch.device, torch.dtype, int, int], List[Tuple[CallCapture, _Block]]] = {}
+    groups: Dict[Tuple[torch.device, torch.dtype, bool, int, int], List[Tuple[CallCapture, _Block]]] = {}
     for capture in captures:
         with capture._lock:
             block = capture._uniform_pending()
         if block is None:
             capture.flush()
         else:
-            key = (block.store.device, block.store.dtype, len(block.counts), block.counts[0])
+            key = (block.store.device, block.store.dtype, block.unbiased, len(block.counts), block.counts[0])
             groups.setdefault(key, []).append((capture, block))
-    for (_, _, calls, n), members in groups.items():
+    for (_, _, unbiased, calls, n), members in groups.items():
         pending = torch.cat([block.pending() for _, block in members], dim=2).double()
         center = torch.cat([capture.stats.center_for(block.pending()[0, 0].double()) for capture, block in members])
-        combined = combine_calls(pending[0], pending[1], [n] * calls, center, unbiased=True)
+        combined = combine_calls(pending[0], pending[1], [n] * calls, center, unbiased=unbiased)
         widths = [block.store.shape[2] for _, block in members]
         for (capture, block), part in zip(members, combined.split(widths)):
             capture.stats.add(part)

@@ -1,0 +1,272 @@
+"""The estimators compared, the float64 reference they are measured against, and one case's
+evaluation: every method's errors and its time over the forward's.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+import precise_bn
+from precise_bn.data import smart_forward
+from precise_bn.pytorch.bn_pass import BNPass
+from precise_bn.pytorch.layers import select_layers
+from cases import Batches, Case, bn_layers
+from common import FLOOR, REPO, Timing, fmt_err, markdown_table, time_ratios
+
+sys.path.insert(0, str(REPO / "tests"))
+from reference import assert_close_default, assert_close_exact  # noqa: E402  (the core's bounds)
+
+Method = Callable[[nn.Module, Batches], Any]
+Stats = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def plain_forward(model: nn.Module, batches: Batches) -> None:
+    """The floor: the train-mode forward passes alone, under ``no_grad``."""
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+
+
+def precise_default(model: nn.Module, batches: Batches) -> None:
+    precise_bn.recompute(model, batches, progress=False)
+
+
+def precise_exact(model: nn.Module, batches: Batches) -> None:
+    precise_bn.recompute(model, batches, exact=True, progress=False)
+
+
+def fvcore_update(model: nn.Module, batches: Batches) -> None:
+    from fvcore.nn.precise_bn import update_bn_stats
+
+    update_bn_stats(model, batches, num_iters=len(batches))
+
+
+def swa_utils_update(model: nn.Module, batches: Batches) -> None:
+    torch.optim.swa_utils.update_bn(batches, model)
+
+
+def momentum_one_average(model: nn.Module, batches: Batches, caffe2_formula: bool = False) -> None:
+    """The incumbents that read each batch's stats with momentum 1 and average them in float32.
+
+    ``caffe2_formula=False`` is the pycls / mmpretrain estimator: after every forward, add the
+    layer's batch mean and *unbiased* batch variance (what ``running_var`` holds with momentum
+    1) to running sums; write their plain averages. It ignores the spread of the batch means
+    and keeps Bessel's correction of each small batch.
+
+    ``caffe2_formula=True`` is the formula of the original Caffe2 helper: average the batch mean
+    and ``E[x^2] = biased var + mean^2``, then write ``E[x^2] - E[x]^2``, all in float32. It is
+    exact in real numbers and shown as the failure mode of cancellation: when a channel's mean
+    dwarfs its std, both terms agree in every digit float32 keeps.
+
+    Like both originals, it reads the buffers once per forward, so a layer called twice in one
+    forward contributes only its last call.
+    """
+    layers = [m for _, m in bn_layers(model)]
+    counts: Dict[nn.Module, int] = {}
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: counts.__setitem__(mod, args[0].numel() // args[0].shape[1]))
+        for m in layers
+    ]
+    momenta = [m.momentum for m in layers]
+    sums = [(torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var)) for m in layers]
+    try:
+        for m in layers:
+            m.momentum = 1.0
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+                for m, (sum_mean, sum_second) in zip(layers, sums):
+                    sum_mean += m.running_mean
+                    if caffe2_formula:
+                        n = counts[m]
+                        sum_second += m.running_var * ((n - 1) / n) + m.running_mean.square()
+                    else:
+                        sum_second += m.running_var
+            for m, (sum_mean, sum_second) in zip(layers, sums):
+                mean = sum_mean / len(batches)
+                second = sum_second / len(batches)
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(second - mean.square() if caffe2_formula else second)
+    finally:
+        for m, momentum in zip(layers, momenta):
+            m.momentum = momentum
+        for handle in handles:
+            handle.remove()
+
+
+METHODS: Dict[str, Method] = {
+    FLOOR: plain_forward,
+    "precise-bn": precise_default,
+    "precise-bn exact": precise_exact,
+    "fvcore": fvcore_update,
+    "swa_utils.update_bn": swa_utils_update,
+    "pycls/mmpretrain": momentum_one_average,
+    "Caffe2 formula (float32)": functools.partial(momentum_one_average, caffe2_formula=True),
+}
+
+
+def float64_reference(model: nn.Module, batches: Batches) -> Stats:
+    """Per BN layer, the float64 mean and biased variance of every element of every call.
+
+    Two streaming passes over the batches (sums, then squared deviations from the pass-one
+    mean, both in float64), so it holds per-channel vectors only: keeping every activation, as
+    the test suite's reference does, would not fit in memory for resnet50 or r2plus1d.
+    """
+    ref_model = copy.deepcopy(model)
+    layers = bn_layers(ref_model)
+    totals = {name: [0, 0.0, 0.0] for name, _ in layers}  # count, sum, sum of squared deviations
+    means: Dict[str, torch.Tensor] = {}
+
+    def hook(module: nn.Module, args: Tuple[Any, ...], name: str) -> None:
+        x = args[0].detach().double()
+        x = x.transpose(0, 1).reshape(x.shape[1], -1)
+        entry = totals[name]
+        if name in means:
+            entry[2] = entry[2] + ((x - means[name][:, None]) ** 2).sum(dim=1)
+        else:
+            entry[0] += x.shape[1]
+            entry[1] = entry[1] + x.sum(dim=1)
+
+    handles = [
+        m.register_forward_pre_hook(functools.partial(hook, name=name)) for name, m in layers
+    ]
+    try:
+        plain_forward(ref_model, batches)
+        means.update({name: t[1] / t[0] for name, t in totals.items() if t[0]})
+        plain_forward(ref_model, batches)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: (means[name], totals[name][2] / totals[name][0]) for name in means}
+
+
+def stat_errors(model: nn.Module, reference: Stats, exact_bound: bool = False) -> Dict[str, Any]:
+    """How far ``model``'s BN buffers are from ``reference``, over all layers and channels.
+
+    ``var_rel``: largest ``|var - ref| / ref``; ``mean_std``: largest ``|mean - ref| / ref_std``
+    (channels with a reference variance of 0 are left out of both); ``bad``: channels whose
+    variance came out <= 0 or NaN although the reference is positive; ``within``: whether every
+    layer meets the core's bound (``tests/reference.py``: the default path's, or with
+    ``exact_bound`` the exact path's).
+    """
+    var_rel = mean_std = 0.0
+    bad = 0
+    within = True
+    check = assert_close_exact if exact_bound else assert_close_default
+    for name, module in bn_layers(model):
+        ref_mean, ref_var = reference[name]
+        mean, var = module.running_mean.double(), module.running_var.double()
+        live = ref_var > 0
+        if live.any():
+            var_rel = max(var_rel, float(((var - ref_var).abs() / ref_var)[live].nan_to_num(float("inf")).max()))
+            err = (mean - ref_mean).abs() / ref_var.sqrt()
+            mean_std = max(mean_std, float(err[live].nan_to_num(float("inf")).max()))
+        bad += int((live & ~(var > 0)).sum())
+        try:
+            # The buffers as stored (float32): the bounds allow for the rounding of the store.
+            check(module.running_mean, module.running_var, ref_mean, ref_var, name)
+        except AssertionError:
+            within = False
+    return {"var_rel": var_rel, "mean_std": mean_std, "bad": bad, "within": within}
+
+
+def float64_layers(model: nn.Module, batches: Batches) -> Tuple[int, int]:
+    """How many of ``model``'s BN layers ``exact=True`` measures in float64 on ``batches`` (the
+    others keep the kernel's statistics; see ``precise_bn.pytorch.trust``), out of how many."""
+    run = copy.deepcopy(model)
+    bn_pass = BNPass(run, select_layers(run), smart_forward, exact=True)
+    with bn_pass, torch.no_grad():
+        for batch in batches:
+            run(batch)
+    return sum(1 for capture in bn_pass.captures if not capture.trusted), len(bn_pass.captures)
+
+
+def runs_on_copies(model: nn.Module, batches: Batches, methods: Iterable[str]) -> Dict[str, Callable[[], Any]]:
+    """One zero-argument run per method, each on its own copy of ``model``."""
+    return {
+        name: functools.partial(METHODS[name], copy.deepcopy(model), batches) for name in methods
+    }
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """A case's description cells, its timings (empty if not timed) and per-method errors."""
+
+    case: Case
+    cells: List[Any]
+    timing: Dict[str, Timing]
+    errors: Dict[str, Dict[str, Any]]
+
+
+def evaluate_case(case: Case, methods: Sequence[str], reps: int, min_seconds: float = 0.0) -> CaseResult:
+    """Errors of every method (each on a fresh copy) against the float64 reference, and with
+    ``reps > 0`` their time ratios to the floor on the same batches (see :func:`rotated_seconds`)."""
+    model, batches = case.build()
+    reference = float64_reference(model, batches)
+    errors = {}
+    for name in methods:
+        if name != FLOOR:
+            result = copy.deepcopy(model)
+            METHODS[name](result, batches)
+            errors[name] = stat_errors(result, reference, exact_bound=name == "precise-bn exact")
+    if "precise-bn exact" in errors:
+        errors["precise-bn exact"]["float64_layers"] = float64_layers(model, batches)
+    runs = runs_on_copies(model, batches, [FLOOR] + [m for m in methods if m != FLOOR])
+    timing = time_ratios(runs, reps, min_seconds=min_seconds) if reps else {}
+    return CaseResult(case, case.describe(model), timing, errors)
+
+
+def time_table(results: Sequence[CaseResult], methods: Sequence[str]) -> str:
+    """The time ratios of the timed ``results``, one row per case, and how they were taken."""
+    others = [m for m in methods if m != FLOOR]
+    rows = [
+        [r.case.model, "{:.1f}".format(1e3 * statistics.median(r.timing[FLOOR].floor_seconds) / r.case.batches),
+         len(r.timing[others[0]].ratios)]
+        + [r.timing[m].cell() for m in others]
+        for r in results
+    ]
+    return (
+        "Time of each method over the time of the plain train-mode forward under `no_grad` on the "
+        "same batches: median of the per-repetition ratios (`reps` of them), each ratio against a "
+        "floor run timed right next to the method's run (before it on even repetitions, after it "
+        "on odd ones; methods in rotated order), after one untimed warm-up (min-max of the ratios "
+        "in parentheses). A call includes everything the function does once per call (finding "
+        "the layers, snapshot and restore of buffers, the report). 1-minute load average when the "
+        "table was written: {:.2f} on {} logical cores.\n\n".format(os.getloadavg()[0], os.cpu_count())
+        + markdown_table(["model", "floor (ms/batch)", "reps"] + others, rows)
+    )
+
+
+def error_table(results: Sequence[CaseResult]) -> str:
+    """Every method's errors in ``results``, one row per case, data and method, explained."""
+    rows = [
+        [r.case.model, r.case.data, m, fmt_err(e["var_rel"]), fmt_err(e["mean_std"]), e["bad"],
+         "yes" if e["within"] else "**no**",
+         "{} of {}".format(*e["float64_layers"]) if "float64_layers" in e else "-"]
+        for r in results
+        for m, e in r.errors.items()
+    ]
+    return (
+        "Largest errors of the written buffers against a float64 two-pass reference of every BN "
+        "input, over all layers and channels: relative variance error, mean error in units of "
+        "the channel's std, channels whose variance came out <= 0 or NaN, and whether every layer "
+        "is within the core's bound (`tests/reference.py`, applied to the float32 buffers as "
+        "written: the default path's bound for every method, the exact path's for "
+        "`precise-bn exact`); for `precise-bn exact`, how many BN layers it measured in float64 "
+        "(the others kept the kernel's statistics). `shifted`: the first BN layer's input "
+        "channels have means 1e2..1e4 times their std; there, storing a mean of 1e4 std in a "
+        "float32 buffer alone moves it by up to 1e4 x 2^-24 = 6e-4 std, whatever the method.\n\n"
+        + markdown_table(
+            ["model", "data", "method", "max rel var err", "max mean err (std)", "var <= 0 / NaN", "within bound",
+             "float64 layers"],
+            rows,
+        )
+    )

@@ -1,0 +1,120 @@
+"""What the precision stop's check costs: the same pass with and without ``rtol``, on one
+process and on two gloo ranks.
+
+The check runs every ``CHECK_EVERY`` batches once ``min_batches`` were read: it merges every
+layer's pending calls, (with several ranks) gathers and merges every rank's statistics, and
+computes channels' standard errors until a layer is not precise enough yet. To time it alone,
+``rtol`` is set so small that it is never met: both passes read the same batches and differ only
+by the checks. Such checks stop at the first layer; :func:`check_ms` also times the last check of
+a pass that stops, which computes every layer's standard errors.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cases import Case
+from common import FLOOR, time_ratios
+from precise_bn import recompute
+from precise_bn.data import smart_forward
+from precise_bn.distributed import Ranks
+from precise_bn.driver import CHECK_EVERY, precise_enough
+from precise_bn.estimator import PopulationStats
+from precise_bn.pytorch.bn_pass import BNPass
+from precise_bn.pytorch.layers import select_layers
+
+NEVER_MET = 1e-12
+
+
+def _runs(case: Case) -> Dict[str, Callable[[], None]]:
+    model, batches = case.build()
+
+    def plain() -> None:
+        recompute(model, batches, progress=False, log_period=None)
+
+    def checked() -> None:
+        recompute(model, batches, progress=False, log_period=None, rtol=NEVER_MET)
+
+    return {FLOOR: plain, "with rtol": checked}
+
+
+def single_process(case: Case, reps: int) -> Dict[str, float]:
+    """Time of the pass with ``rtol`` over the time without (adjacent runs, median of ``reps``),
+    and the milliseconds of one check, timed alone."""
+    timing = time_ratios(_runs(case), reps)
+    return {"ratio": timing["with rtol"].median, "low": min(timing["with rtol"].ratios),
+            "high": max(timing["with rtol"].ratios), "seconds": timing[FLOOR].seconds,
+            "ms_per_check": check_ms(case, NEVER_MET), "full_check_ms": check_ms(case, 1.0 - 1e-9)}
+
+
+def check_ms(case: Case, rtol: float, gather: Optional[Callable[[List[PopulationStats]], List[PopulationStats]]] = None
+             ) -> float:
+    """Milliseconds of one check, timed alone: merging the calls pending since the previous
+    check, ``gather`` (the merge over ranks, when given), then
+    :func:`~precise_bn.driver.precise_enough` with ``rtol``. With an ``rtol`` never met it stops
+    at the first layer; with one every channel meets, it computes every layer's standard errors
+    (the last check of a pass that stops). Mean over the checks of a pass of ``case.batches``
+    batches, the first left out."""
+    model, batches = case.build()
+    bn_pass = BNPass(model, select_layers(model), smart_forward)
+    spent: List[float] = []
+    with bn_pass, torch.no_grad():
+        for done, batch in enumerate(batches, 1):
+            model(batch)
+            if done % CHECK_EVERY == 0:
+                begin = time.perf_counter()
+                stats = bn_pass.collect()
+                precise_enough(gather(stats) if gather is not None else stats, rtol)
+                spent.append(time.perf_counter() - begin)
+    return 1e3 * statistics.mean(spent[1:] or spent)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, case: Case, reps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        runs = _runs(Case(**dict(vars(case), seed=case.seed + rank)))
+        ratios: List[float] = []
+        plain_seconds: List[float] = []
+        for rep in range(reps + 1):  # the first is a warm-up
+            seconds = {}
+            for name in ((FLOOR, "with rtol") if rep % 2 else ("with rtol", FLOOR)):
+                dist.barrier()
+                begin = time.perf_counter()
+                runs[name]()
+                seconds[name] = time.perf_counter() - begin
+            if rep:
+                ratios.append(seconds["with rtol"] / seconds[FLOOR])
+                plain_seconds.append(seconds[FLOOR])
+        check = check_ms(Case(**dict(vars(case), seed=case.seed + rank)), NEVER_MET, Ranks(True).gather_stats)
+        if rank == 0:
+            torch.save({"ratios": ratios, "seconds": plain_seconds, "check_ms": check}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def two_ranks(case: Case, reps: int) -> Dict[str, float]:
+    """The same comparison on two gloo ranks (one thread each), each rank with its own batches;
+    rank 0's times. Without ``rtol`` the ranks still meet every ``CHECK_EVERY`` batches for a
+    status round; with it, every such round also gathers and merges all statistics."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rank0.pt")
+        mp.spawn(_rank, args=(2, _free_port(), case, reps, out), nprocs=2, join=True)
+        result = torch.load(out)
+    return {"ratio": statistics.median(result["ratios"]), "low": min(result["ratios"]), "high": max(result["ratios"]),
+            "seconds": statistics.median(result["seconds"]), "ms_per_check": result["check_ms"]}
