@@ -193,9 +193,9 @@ def plot(path, studies: Sequence[Dict[str, Any]], calib: Dict[str, Any]) -> None
         ax.plot(batches, [r["median"] for r in rows], "s:", color=color, markersize=4,
                 label="{}: median true error".format(s["name"]))
         ax.axhline(s["noise"], color=color, linewidth=0.8, alpha=0.5)
-        for r, b, y in zip(rows, batches, stated):
+        for r, b, y in zip(rows, batches, stated):  # the first study's labels above its points, the next below
             ax.annotate(r["label"].split(" (")[0], (b, y), fontsize=7, color=color, textcoords="offset points",
-                        xytext=(3, 5))
+                        xytext=(4, 6) if i % 2 == 0 else (4, -12))
     ax.set(xscale="log", yscale="log", xlabel="batches read", ylabel="relative error against the population",
            title="precision stop and fixed budget (faint lines: the population's own noise)")
     ax.grid(True, which="both", alpha=0.3)

@@ -166,7 +166,8 @@ def test_layouts_the_kernel_sums_in_float32_are_not_trusted():
     x = torch.randn(8, 16, 6, 6)
     assert trust.double_accumulated(x)
     for other in (x.contiguous(memory_format=torch.channels_last), torch.randn(8, 16), torch.randn(8, 16, 1, 1),
-                  torch.randn(8, 1, 6, 6), x.transpose(2, 3), x.double(), x.half()):
+                  torch.randn(8, 1, 6, 6), x.transpose(2, 3), x.double(), x.half(),
+                  torch.randn(2, 16, 3, 4, 4).contiguous(memory_format=torch.channels_last_3d)):
         assert not trust.double_accumulated(other), other.shape
 
 

@@ -117,13 +117,15 @@ class _Block:
 
     def __init__(self, like: torch.Tensor, calls: int, dtype: Optional[torch.dtype] = None, unbiased: bool = True):
         self.store = torch.zeros(2, calls, like.numel(), dtype=dtype or like.dtype, device=like.device)
+        self._rows = self.store.unbind(0)  # indexing these is cheaper than store[0, i] per call
         self.unbiased = unbiased
         self.counts: List[int] = []
         self.slots: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def slot(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if i == len(self.slots):
-            self.slots.append((self.store[0, i], self.store[1, i]))
+            means, variances = self._rows
+            self.slots.append((means[i], variances[i]))
         return self.slots[i]
 
     def pending(self) -> torch.Tensor:
