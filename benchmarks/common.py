@@ -83,18 +83,19 @@ def rotated_seconds(
     return seconds
 
 
-def _timed(run: Callable[[], Any]) -> float:
+def _timed(run: Callable[[], Any], clock: Callable[[], float]) -> float:
     collect()
-    start = time.perf_counter()
+    start = clock()
     run()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_ratios(
-    runs: Mapping[str, Callable[[], Any]], reps: int, floor: str = FLOOR, min_seconds: float = 0.0
+    runs: Mapping[str, Callable[[], Any]], reps: int, floor: str = FLOOR, min_seconds: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Dict[str, Timing]:
-    """Wall time of every run over the floor's, each ratio from a floor run timed right next to
-    it, after one untimed warm-up of every run.
+    """Time of every run over the floor's (wall time, or ``clock``), each ratio from a floor run
+    timed right next to it, after one untimed warm-up of every run.
 
     Each repetition times, for every method in turn (order rotated by one each repetition), the
     floor and the method back to back, the floor first on even repetitions and last on odd ones.
@@ -114,14 +115,14 @@ def time_ratios(
         k = rep % max(len(methods), 1)
         for name in methods[k:] + methods[:k]:
             if rep % 2 == 0:
-                base, other = _timed(runs[floor]), _timed(runs[name])
+                base, other = _timed(runs[floor], clock), _timed(runs[name], clock)
             else:
-                other, base = _timed(runs[name]), _timed(runs[floor])
+                other, base = _timed(runs[name], clock), _timed(runs[floor], clock)
             ratios[name].append(other / base)
             floors[name].append(base)
         rep += 1
     timings = {name: Timing(ratios[name], floors[name]) for name in methods}
-    every_floor = [f for name in methods for f in floors[name]] or [_timed(runs[floor])]
+    every_floor = [f for name in methods for f in floors[name]] or [_timed(runs[floor], clock)]
     timings[floor] = Timing([1.0] * len(every_floor), every_floor)
     return timings
 

@@ -9,6 +9,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -206,9 +207,11 @@ class CaseResult:
     errors: Dict[str, Dict[str, Any]]
 
 
-def evaluate_case(case: Case, methods: Sequence[str], reps: int, min_seconds: float = 0.0) -> CaseResult:
+def evaluate_case(case: Case, methods: Sequence[str], reps: int, min_seconds: float = 0.0,
+                  clock: Callable[[], float] = time.perf_counter) -> CaseResult:
     """Errors of every method (each on a fresh copy) against the float64 reference, and with
-    ``reps > 0`` their time ratios to the floor on the same batches (see :func:`rotated_seconds`)."""
+    ``reps > 0`` their time ratios to the floor on the same batches (see
+    :func:`common.time_ratios`; wall time unless ``clock``)."""
     model, batches = case.build()
     reference = float64_reference(model, batches)
     errors = {}
@@ -220,12 +223,13 @@ def evaluate_case(case: Case, methods: Sequence[str], reps: int, min_seconds: fl
     if "precise-bn exact" in errors:
         errors["precise-bn exact"]["float64_layers"] = float64_layers(model, batches)
     runs = runs_on_copies(model, batches, [FLOOR] + [m for m in methods if m != FLOOR])
-    timing = time_ratios(runs, reps, min_seconds=min_seconds) if reps else {}
+    timing = time_ratios(runs, reps, min_seconds=min_seconds, clock=clock) if reps else {}
     return CaseResult(case, case.describe(model), timing, errors)
 
 
-def time_table(results: Sequence[CaseResult], methods: Sequence[str]) -> str:
-    """The time ratios of the timed ``results``, one row per case, and how they were taken."""
+def time_table(results: Sequence[CaseResult], methods: Sequence[str], clock: str = "wall time") -> str:
+    """The time ratios of the timed ``results``, one row per case, and how they were taken
+    (``clock`` says what was timed)."""
     others = [m for m in methods if m != FLOOR]
     rows = [
         [r.case.model, "{:.1f}".format(1e3 * statistics.median(r.timing[FLOOR].floor_seconds) / r.case.batches),
@@ -234,13 +238,13 @@ def time_table(results: Sequence[CaseResult], methods: Sequence[str]) -> str:
         for r in results
     ]
     return (
-        "Time of each method over the time of the plain train-mode forward under `no_grad` on the "
+        "Time ({}) of each method over that of the plain train-mode forward under `no_grad` on the "
         "same batches: median of the per-repetition ratios (`reps` of them), each ratio against a "
         "floor run timed right next to the method's run (before it on even repetitions, after it "
         "on odd ones; methods in rotated order), after one untimed warm-up (min-max of the ratios "
         "in parentheses). A call includes everything the function does once per call (finding "
         "the layers, snapshot and restore of buffers, the report). 1-minute load average when the "
-        "table was written: {:.2f} on {} logical cores.\n\n".format(os.getloadavg()[0], os.cpu_count())
+        "table was written: {:.2f} on {} logical cores.\n\n".format(clock, os.getloadavg()[0], os.cpu_count())
         + markdown_table(["model", "floor (ms/batch)", "reps"] + others, rows)
     )
 

@@ -39,6 +39,16 @@ def batches(n: int = 5, batch_size: int = 6, seed: int = 0, offset: float = 3.0)
     return out
 
 
+def trained_net(seed: int = 0) -> nn.Module:
+    """small_net with EMA stats from a few train-mode batches, as a training run leaves them."""
+    torch.manual_seed(seed)
+    net = small_net()
+    with torch.no_grad():
+        for x, _ in batches(n=3, seed=100 + seed, offset=1.0):
+            net(x)
+    return net
+
+
 def no_bn_net() -> nn.Module:
     """A model without any BatchNorm layer."""
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))

@@ -15,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-from cli_factories import batches, small_net
+from cli_factories import batches, trained_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn import __version__
 from precise_bn.checkpoint.formats import SAFE_LOAD_AVAILABLE
@@ -25,16 +25,6 @@ from reference import assert_close_default, assert_close_exact, float64_referenc
 
 BN_NAMES = ("1", "4", "9")
 FACTORIES = ["--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
-
-
-def trained_net(seed: int = 0) -> torch.nn.Module:
-    """small_net with EMA stats from a few train-mode batches, as a training run leaves them."""
-    torch.manual_seed(seed)
-    net = small_net()
-    with torch.no_grad():
-        for x, _ in batches(n=3, seed=100 + seed, offset=1.0):
-            net(x)
-    return net
 
 
 def optimizer_state(net: torch.nn.Module) -> dict:

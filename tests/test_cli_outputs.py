@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cli_factories
-from cli_factories import batches, small_net
+from cli_factories import batches, trained_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn.atomic import SUFFIX, TAG
 from reference import assert_close_default, float64_reference
@@ -26,11 +26,7 @@ BN_NAMES = ("1", "4", "9")
 @pytest.fixture
 def ckpt(tmp_path):
     """A checkpoint of small_net with stats a few training batches left."""
-    torch.manual_seed(0)
-    net = small_net()
-    with torch.no_grad():
-        for x, _ in batches(n=3, seed=100, offset=1.0):
-            net(x)
+    net = trained_net()
     path = tmp_path / "c.pt"
     torch.save({"model": net.state_dict(), "epoch": 4}, str(path))
     cli_factories.READ["batches"] = 0

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from cli_factories import batches, small_net
+from cli_factories import small_net, trained_net
 from cli_helpers import REPO, TESTS, TRUST, load
 from reference import assert_close_default, float64_reference
 
@@ -26,11 +26,7 @@ def _torchrun(*args, timeout):
 
 
 def test_two_ranks_merge_exactly_and_rank0_writes(tmp_path):
-    torch.manual_seed(0)
-    net = small_net()
-    with torch.no_grad():
-        for x, _ in batches(n=3, seed=100, offset=1.0):
-            net(x)
+    net = trained_net()
     images = torch.randn(22, 3, 8, 8, generator=torch.Generator().manual_seed(5)) * 2 + 1
     np.savez(str(tmp_path / "d.npz"), x=images.numpy())
     path, out = tmp_path / "c.pt", tmp_path / "out.pt"

@@ -4,6 +4,8 @@ numpy and torch only: runs in both environments.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -118,3 +120,17 @@ def test_python_api_refuses_bad_policy_and_writes_nothing(tmp_path):
     assert not out.exists()
     report = convert_checkpoint(src, out, unmapped="drop")
     assert len(report.dropped) == 60 and not report.ok and "dropped: nonlocal_conv3_1_theta_w" in str(report)
+
+
+def test_a_hard_linked_output_is_refused_unless_break_hardlinks(tmp_path, capsys):
+    src, out, other = tmp_path / "nl.pkl", tmp_path / "nl.pt", tmp_path / "elsewhere.pt"
+    save_caffe2_pickle(nl_video_blobs(), src)
+    other.write_bytes(b"previous result")
+    os.link(other, out)
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped"]) == 1
+    line = capsys.readouterr().err.strip()
+    assert "2 hard links" in line and "--break-hardlinks" in line and len(line.splitlines()) == 1
+    assert out.read_bytes() == b"previous result"
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--break-hardlinks"]) == 0
+    assert other.read_bytes() == b"previous result" and out.stat().st_nlink == 1
+    assert "nonlocal_conv3_1_bn_rm" in load(out)

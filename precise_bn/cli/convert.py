@@ -19,7 +19,8 @@ from .inspect import rules_of
 
 
 def convert_checkpoint(input: str, output: str, *, rules: Any = None, unmapped: str = "error",
-                       strip_prefix: str = "", key: Optional[str] = None, trust: bool = False) -> ConversionReport:
+                       strip_prefix: str = "", key: Optional[str] = None, trust: bool = False,
+                       break_hardlinks: bool = False) -> ConversionReport:
     """Convert ``input`` to ``output`` (formats from the names: ``.pkl`` Caffe2, ``.safetensors``,
     else ``torch.save``), atomically, and return what became of every tensor.
 
@@ -32,9 +33,11 @@ def convert_checkpoint(input: str, output: str, *, rules: Any = None, unmapped: 
         strip_prefix: removed from every PyTorch key (all must start with it).
         key, trust: where the state dict sits in a ``torch.save`` file, and whether it may run
             code while loading (see :func:`precise_bn.checkpoint.formats.load_checkpoint`).
+        break_hardlinks: replace an ``output`` that has other hard links (they keep the old
+            content); refused by default.
     """
     input, output = os.fspath(input), os.fspath(output)
-    check_output(input, output, in_place=False)
+    check_output(input, output, in_place=False, break_hardlinks=break_hardlinks)
     fmt_in, fmt_out = detect_format(input), detect_format(output)
     if fmt_in == fmt_out:
         raise ConfigError("convert: {} and {} are both {} files; give OUT another extension (.pt, .safetensors, "
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> None:
     """``precise-bn convert ARGS``."""
     unmapped = "keep" if args.keep_unmapped else "drop" if args.drop_unmapped else "error"
     report = convert_checkpoint(args.input, args.output, rules=rules_of(args), unmapped=unmapped,
-                                strip_prefix=args.strip_prefix, key=args.key, trust=args.trust_checkpoint)
+                                strip_prefix=args.strip_prefix, key=args.key, trust=args.trust_checkpoint,
+                                break_hardlinks=args.break_hardlinks)
     print("wrote {} ({} tensors, {} -> {})".format(args.output, len(report.mapped), detect_format(args.input),
                                                     detect_format(args.output)))
     for title, names in (("kept under their own names", report.kept), ("dropped (--drop-unmapped)", report.dropped),

@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     unmapped.add_argument("--drop-unmapped", action="store_true",
                           help="leave out tensors whose names the rules do not map (default: fail and list them)")
     add_loading(con)
+    _add_writing(con)
 
     demo = sub.add_parser("demo", parents=[common], help="train a small BN network on handwritten digits and recalibrate it")
     demo.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help="training steps (default %(default)s)")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 #: Half a float32 ulp, relative: the rounding of a float32 store.
@@ -65,11 +66,11 @@ def double_accumulated(x: torch.Tensor) -> bool:
     call, so only cheap attributes: a contiguous tensor with more than one channel and a
     spatial size above 1 cannot also be channels-last, and a single channel, where the two
     layouts coincide, is left to the float64 path."""
-    return (x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() >= 3 and x.is_contiguous() and x.stride(1) != 1
-            and x.shape[1] > 1 and x.numel() // x.shape[1] <= MAX_DOUBLE_SUM)
+    return (x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() >= 3 and x.is_contiguous()
+            and x.stride(1) != 1 and x.shape[1] > 1 and x.numel() // x.shape[1] <= MAX_DOUBLE_SUM)
 
 
-def within_bound(ratio: torch.Tensor, spread: torch.Tensor) -> bool:
+def within_bound(ratio: np.ndarray, spread: np.ndarray) -> bool:
     """True when every channel's ``r = |mean| / std`` and ``D`` (call means' spread in stds)
     keep the rounded means' error within the exact bound. NaN fails."""
     ur = UNIT_ROUNDOFF * ratio
@@ -77,27 +78,32 @@ def within_bound(ratio: torch.Tensor, spread: torch.Tensor) -> bool:
     return bool((risk <= EXACT_RTOL).all())
 
 
-def _ratio(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """``|mean| / std`` in float64; 0 where the variance is 0 (a constant channel's mean is
-    exact in the kernel: n equal values sum exactly)."""
-    std = var.double().sqrt()
-    return torch.where(std > 0, mean.double().abs() / std, torch.zeros_like(std))
+def _float64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy().astype(np.float64)
+
+
+def _over(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num / den``, 0 where ``den`` is 0: a constant channel's mean is exact in the kernel
+    (n equal values sum exactly), and its calls cannot spread."""
+    return np.divide(num, den, out=np.zeros_like(num), where=den > 0)
 
 
 def first_call_within(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> bool:
     """The first call's check: ``mean`` and unbiased ``var`` are the kernel's statistics of
-    ``x`` (N, C, ...), ``D`` the spread of its samples' means (1 with a single sample)."""
+    ``x`` (N, C, ...) on the CPU, ``D`` the spread of its samples' means (1 with a single
+    sample). The arithmetic on per-channel vectors is done in numpy, whose small operations
+    cost a fraction of torch's: this runs once per layer and pass."""
     samples = x.shape[0]
     n = x.numel() // x.shape[1]
-    biased = var.double() * ((n - 1) / n)
-    ratio = _ratio(mean, biased)
+    biased = _float64(var) * ((n - 1) / n)
+    std = np.sqrt(biased)
+    ratio = _over(np.abs(_float64(mean)), std)
     if samples < 2:
-        return within_bound(ratio, torch.ones_like(ratio))
+        return within_bound(ratio, np.ones_like(ratio))
     # Per-sample means in float32 (a tenth of the cost of a double sum): their rounding, a few
     # ulps of |mean|, only adds to the spread, on the safe side.
-    per_sample = x.detach().flatten(2).mean(2).double()
-    spread2 = per_sample.var(0) / (biased * samples)
-    return within_bound(ratio, torch.where(biased > 0, spread2, torch.zeros_like(spread2)).sqrt())
+    per_sample = _float64(x.flatten(2).mean(2))
+    return within_bound(ratio, _over(per_sample.std(0, ddof=1), std * np.sqrt(samples)))
 
 
 def block_within(means: torch.Tensor, variances: torch.Tensor) -> bool:
@@ -105,7 +111,6 @@ def block_within(means: torch.Tensor, variances: torch.Tensor) -> bool:
     largest ``r`` of any call, ``D`` from the spread of the call means."""
     if means.shape[0] < 2:
         return True
-    var = variances.double().mean(0)
-    ratio = _ratio(means.abs().max(0).values, var)
-    spread = means.double().std(0)
-    return within_bound(ratio, torch.where(var > 0, spread / var.sqrt(), torch.zeros_like(var)))
+    call_means = _float64(means)
+    std = np.sqrt(_float64(variances).mean(0))
+    return within_bound(_over(np.abs(call_means).max(0), std), _over(call_means.std(0, ddof=1), std))
