@@ -1,6 +1,8 @@
 """The per-call capture: blocks that fill and merge, the grouped flush, subclasses."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -222,6 +224,25 @@ def test_the_first_call_decides_from_mean_over_std_and_the_spread_of_sample_mean
     assert not trust.first_call_within(one_sample, *_kernel_stats(one_sample))
     dead = torch.full((4, 3, 5, 5), 7.0)
     assert trust.first_call_within(dead, *_kernel_stats(dead))
+
+
+def test_the_spread_of_sample_means_is_capped_as_the_shortcut_assumes():
+    """The first call skips the per-sample means when a layer passes even at D = 1/sqrt(N - 1);
+    that cap (law of total variance) holds however much the samples differ, and the decision is
+    the one the full computation gives."""
+    gen = torch.Generator().manual_seed(3)
+    for samples, effect, offset in ((2, 100.0, 0.0), (8, 10.0, 3.0), (16, 1.0, 1.5), (16, 0.01, 2.5),
+                                    (32, 0.3, 30.0), (4, 1e3, 1e3)):
+        x = torch.randn(samples, 6, 4, 4, generator=gen) + effect * torch.randn(samples, 6, 1, 1, generator=gen)
+        x = (x + offset).float()
+        mean, var = _kernel_stats(x)
+        rows = x.double().transpose(0, 1).reshape(6, -1)
+        per_sample = x.double().flatten(2).mean(2)
+        spread = per_sample.std(0) / (rows.var(1, unbiased=False) * samples).sqrt()
+        assert (spread <= (1 + 1e-9) / math.sqrt(samples - 1)).all(), (samples, effect)
+        ratio = rows.mean(1).abs() / rows.var(1, unbiased=False).sqrt()
+        full = bool(((trust.UNIT_ROUNDOFF * ratio) ** 2 + trust._CROSS * ratio * spread <= trust.EXACT_RTOL).all())
+        assert trust.first_call_within(x, mean, var) == full, (samples, effect, offset)
 
 
 def test_exact_keeps_the_kernel_stats_where_it_can_and_measures_where_it_must():

@@ -36,7 +36,9 @@ Where ``D`` comes from. On the first call, from the spread of its samples' own m
 ``D^2 = var_s(per-sample mean) / (std^2 N)``, what the call means vary by when batches of N
 samples are drawn at random; it counts the element noise (``1 / n``) too. Deeper layers see
 inputs already normalised batch by batch, so their real spread is often smaller: the estimate
-errs on the safe side. Every full block of calls is checked again with the spread of its own
+errs on the safe side. The law of total variance caps it: the sample means cannot spread by more
+than the std, so ``D <= 1 / sqrt(N - 1)``, and a layer within the bound even at that cap is
+trusted without computing its per-sample means. Every full block of calls is checked again with the spread of its own
 call means and the largest ``r`` it saw; a layer that fails measures every later call in
 float64 (the calls already merged keep the kernel's precision).
 """
@@ -100,6 +102,10 @@ def first_call_within(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) ->
     ratio = _over(np.abs(_float64(mean)), std)
     if samples < 2:
         return within_bound(ratio, np.ones_like(ratio))
+    # By the law of total variance the sample means cannot spread by more than the std, so
+    # D <= 1 / sqrt(N - 1): a layer within the bound even then needs no per-sample means.
+    if within_bound(ratio, np.full_like(ratio, 1.0 / math.sqrt(samples - 1))):
+        return True
     # Per-sample means in float32 (a tenth of the cost of a double sum): their rounding, a few
     # ulps of |mean|, only adds to the spread, on the safe side.
     per_sample = _float64(x.flatten(2).mean(2))
