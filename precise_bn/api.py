@@ -60,9 +60,8 @@ def recompute(
         device: move every tensor nested in a batch there first.
         layers: None (BN layers in training mode; all of them if the whole model is in eval
             mode), ``"all"``, or a list of modules or qualified names.
-        exact: variance within 1e-7 relative even when mean/std = 1e4: the layers whose
-            float32 kernel statistics could miss that are measured from their input in float64,
-            the others keep the kernel's (see :mod:`precise_bn.pytorch.trust`).
+        exact: variance within 1e-7 relative even at mean/std = 1e4, measuring in float64 the
+            layers whose kernel statistics could miss it (:mod:`precise_bn.pytorch.trust`).
         autocast: run the forward under ``torch.autocast`` (True, or a dtype); BN stays float32.
         sync: merge across ranks (default: whenever a process group spans several processes).
         group: the process group to merge over.
