@@ -88,6 +88,36 @@ class CallGroup:
         return [CallGroup(self.count, self.calls, self.weight, *part) for part in parts]
 
 
+def shifted_moments(
+    by_channel: torch.Tensor,
+    shift: torch.Tensor,
+    buffer: torch.Tensor,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float64 mean and biased variance of each channel of ``by_channel`` (channels on the first
+    axis, any layout), measured around ``shift`` (float64, one value per channel), into ``out``
+    when given.
+
+    ``y = x - shift`` is written channel-major into ``buffer`` (float64, at least as many
+    elements as ``by_channel``; overwritten), so each channel's values are one contiguous row
+    whose sum ``s1`` and 2-norm are plain row reductions, one read each. With ``shift`` a batch
+    mean, even a float32 one, ``y`` is of the order of the channel's std: its float64 sums do
+    not cancel even when mean/std = 1e4, ``var = (s2 - s1^2 / n) / n`` subtracts a term that is
+    tiny next to ``s2``, and a constant channel gives exactly 0.
+    """
+    channels = by_channel.shape[0]
+    n = by_channel.numel() // max(channels, 1)
+    y = buffer[: by_channel.numel()].view(by_channel.shape)
+    torch.sub(by_channel, shift.view([-1] + [1] * (by_channel.dim() - 1)), out=y)
+    rows = y.view(channels, -1)
+    s1 = rows.sum(1)
+    s2 = torch.linalg.vector_norm(rows, dim=1).square_()
+    mean_out, var_out = out if out is not None else (None, None)
+    mean = torch.add(shift, s1, alpha=1.0 / n, out=mean_out)
+    var = torch.addcmul(s2, s1, s1, value=-1.0 / n, out=var_out).clamp_(min=0).div_(n)
+    return mean, var
+
+
 def combine_calls(
     means: torch.Tensor,
     variances: torch.Tensor,

@@ -7,12 +7,12 @@ Caffe2's CPU kernel forms a call's variance as ``E[x^2] - E[x]^2`` in float32 an
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import numpy as np
 import torch
 
-from ..estimator import PopulationStats
+from ..estimator import PopulationStats, shifted_moments
 
 # float32 carries 24 significant bits: a saved inverse std is only known to 2**-24 relative.
 _FLOAT32_REL = 2.0 ** -24
@@ -38,30 +38,16 @@ def decode_saved_stats(sm: np.ndarray, siv: np.ndarray, eps: float) -> Tuple[tor
     return mean, var, negative
 
 
-def measure_input(x: np.ndarray, shift32: np.ndarray, axis: int, out: Optional[torch.Tensor] = None
+def measure_input(x: np.ndarray, shift32: np.ndarray, axis: int, buffer: torch.Tensor
                   ) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """Float64 ``(mean, biased var, elements per channel)`` of a SpatialBN input ``x`` whose
-    channels lie on ``axis``.
-
-    ``y = x - shift`` is formed in float64, channel-major (into ``out`` when it is large
-    enough), with ``shift`` the kernel's float32 batch mean: ``y`` is then of the order of the
-    channel's std, so its float64 sums ``s1 = sum y`` and ``s2 = sum y^2`` lose nothing to
-    cancellation even when mean/std = 1e4, and ``var = (s2 - s1^2 / n) / n`` subtracts a term
-    that is tiny next to ``s2``. A constant channel gives exactly 0.
-    """
+    channels lie on ``axis``, measured around ``shift32``, the kernel's float32 batch mean (see
+    :func:`~precise_bn.estimator.shifted_moments`; ``buffer`` holds at least ``x.size``
+    float64 values and is overwritten)."""
     t = torch.from_numpy(np.ascontiguousarray(x)).movedim(axis, 0)
-    channels = t.shape[0]
-    n = t.numel() // max(channels, 1)
-    if out is None or out.numel() < t.numel():
-        out = torch.empty(t.numel(), dtype=torch.float64)
     shift = torch.from_numpy(np.asarray(shift32, dtype=np.float64)).reshape(-1)
-    y = out[: t.numel()].view(t.shape)
-    torch.sub(t, shift.view([-1] + [1] * (t.dim() - 1)), out=y)
-    rows = y.view(channels, -1)
-    s1 = rows.sum(1)
-    s2 = torch.linalg.vector_norm(rows, dim=1).square_()
-    var = torch.addcmul(s2, s1, s1, value=-1.0 / n).clamp_(min=0).div_(n)
-    return torch.add(shift, s1, alpha=1.0 / n), var, n
+    mean, var = shifted_moments(t, shift, buffer)
+    return mean, var, t.numel() // max(t.shape[0], 1)
 
 
 def untrusted_channels(stats: PopulationStats) -> List[int]:

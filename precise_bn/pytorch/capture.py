@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..estimator import PopulationStats, combine_calls
+from ..estimator import PopulationStats, combine_calls, shifted_moments
 from . import trust
 
 MAX_BLOCK_CALLS = 64
@@ -200,8 +200,7 @@ class CallCapture:
     ) -> Any:
         with self._lock:
             block = self._blocks.get(x.device) or self._block_for(module.running_mean)
-            i = len(block.counts)
-            mean, var = block.slot(i)
+            mean, var = block.slot(len(block.counts))
             direct = direct and not args and not kwargs
             if direct:
                 module._check_input_dim(x)
@@ -217,14 +216,19 @@ class CallCapture:
                 mean.zero_()
                 var.zero_()
             elif not self.exact or self._keeps_kernel_stats(x, direct, mean, var):
-                block.counts.append(n)
-                if i + 1 == self.block_calls:
-                    if self.exact:
-                        self.trusted = trust.block_within(*block.pending())
-                    self._merge(block)
+                self._commit(block, n, check=self.exact)
             else:
-                self._measure_input(x.detach(), mean, n)
+                self._commit(self._measure_input(x.detach(), mean), n)
             return out
+
+    def _commit(self, block: _Block, n: int, check: bool = False) -> None:
+        """Count the call just written into ``block``'s next slot; merge a full block (with
+        ``check``, after re-checking that the kernel's statistics may still be kept)."""
+        block.counts.append(n)
+        if len(block.counts) == self.block_calls:
+            if check:
+                self.trusted = trust.block_within(*block.pending())
+            self._merge(block)
 
     def _keeps_kernel_stats(self, x: torch.Tensor, direct: bool, mean: torch.Tensor, var: torch.Tensor) -> bool:
         """With ``exact``: whether this call may take the kernel's statistics (:mod:`.trust`).
@@ -236,36 +240,22 @@ class CallCapture:
             self.trusted = False
         return self.trusted
 
-    def _measure_input(self, x: torch.Tensor, shift32: torch.Tensor, n: int) -> None:
-        """Float64 mean and biased variance of this call's input, per channel, into the next
-        slot of the layer's float64 block.
-
-        ``y = x - shift`` is written channel-major into a float64 buffer reused across calls,
-        so each channel's values are one contiguous row: its sum and its 2-norm are then plain
-        vectorised row reductions, one read each. That costs about one to two BN kernels; a
-        fresh float64 copy plus ``var_mean`` (a scalar Welford loop on CPU) costs four to five.
-        Forming ``y`` and its sums in float32 instead would cost a third less, but float32 sums
-        of y^2 over a sample's spatial positions carry up to 1e-7 relative error, the whole of
-        the exact bound.
+    def _measure_input(self, x: torch.Tensor, shift32: torch.Tensor) -> _Block:
+        """Float64 mean and biased variance of this call's input, per channel, measured around
+        the kernel's float32 batch mean (:func:`~precise_bn.estimator.shifted_moments`, through
+        a float64 buffer reused across calls), into the next slot of the layer's float64 block,
+        which is returned. That costs about one to two BN kernels; a fresh float64 copy plus
+        ``var_mean`` (a scalar Welford loop on CPU) costs four to five. Forming ``y`` and its
+        sums in float32 instead would cost a third less, but float32 sums of y^2 over a
+        sample's spatial positions carry up to 1e-7 relative error, the whole of the exact
+        bound.
         """
         block = self._measured.get(x.device)
         if block is None:
             block = self._measured[x.device] = _Block(shift32, self.block_calls, torch.float64, unbiased=False)
-        i = len(block.counts)
-        mean, var = block.slot(i)
-        channels = x.shape[1]
-        shift = shift32.double()
-        by_channel = x.movedim(1, 0)
-        y = self._scratch.buffer(by_channel.shape, x.device, torch.float64)
-        torch.sub(by_channel, shift.view([-1] + [1] * (x.dim() - 1)), out=y)
-        rows = y.view(channels, -1)
-        s1 = rows.sum(1)
-        s2 = torch.linalg.vector_norm(rows, dim=1).square_()
-        torch.add(shift, s1, alpha=1.0 / n, out=mean)
-        torch.addcmul(s2, s1, s1, value=-1.0 / n, out=var).clamp_(min=0).div_(n)
-        block.counts.append(n)
-        if i + 1 == self.block_calls:
-            self._merge(block)
+        buffer = self._scratch.buffer((x.numel(),), x.device, torch.float64)
+        shifted_moments(x.movedim(1, 0), shift32.double(), buffer, out=block.slot(len(block.counts)))
+        return block
 
     def _merge(self, block: _Block) -> None:
         if block.counts:
