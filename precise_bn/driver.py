@@ -26,10 +26,10 @@ import torch
 
 from .data import planned_batches
 from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
-from .errors import EmptyDataError, warn
+from .errors import EmptyDataError, NonFiniteStatsError, warn
 from .estimator import PopulationStats
 from .options import Options
-from .report import BNReport, LayerReport
+from .report import UNTRUSTED_RTOL, BNReport, LayerReport
 from .signals import Relays
 
 logger = logging.getLogger("precise_bn")
@@ -44,15 +44,16 @@ class Backend(Protocol):
     """What the driver needs from a backend: the layers, running batches, reading statistics,
     and writing results as the very last step of a call.
 
-    Optional: ``check_trust(stats, report)``, called with the statistics merged over ranks once
-    the report is built, before anything is written, to name in ``LayerReport.untrusted`` (and
-    warn about) channels whose kernel statistics the backend cannot vouch for.
     """
 
     estimator: str
     names: List[str]
     eps: List[float]
+    #: The dtype of each layer's running buffers: what the results must fit in.
+    dtypes: List[torch.dtype]
     empty_reason: str
+    #: Why this backend's kernel statistics may be untrusted, for the warning that names them.
+    untrusted_reason: str
 
     def old_stats(self) -> List[Stats]:
         """Each layer's running mean and variance before the pass, float64 on the CPU."""
@@ -71,6 +72,12 @@ class Backend(Protocol):
 
     def collect(self) -> List[PopulationStats]:
         """This process's statistics so far, one per layer, pending calls merged."""
+
+    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
+        """Per layer, from the statistics merged over ranks, the channels whose written variance
+        may be off by more than :data:`~precise_bn.report.UNTRUSTED_RTOL` of itself because the
+        kernel's float32 statistics were kept (a worst-case bound; none when every call was
+        measured in float64)."""
 
     def finish(self, results: Sequence[Optional[Stats]], value: Any, relays: Relays,
                on_write: Optional[Callable[[], Any]]) -> Any:
@@ -220,9 +227,39 @@ def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") ->
     warn(message)
 
 
-def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[Stats]]:
-    """Each layer's ``(mean, var)`` in float64, or None for a layer that never ran."""
-    return [s.finalize(unbiased) if s.count else None for s in stats]
+def finalize(stats: Sequence[PopulationStats], unbiased: bool, dtypes: Sequence[torch.dtype]
+             ) -> List[Optional[Stats]]:
+    """Each layer's ``(mean, var)`` in float64, or None for a layer that never ran.
+
+    Raises :class:`~precise_bn.NonFiniteStatsError` for a layer whose statistics are not
+    finite, or would not be once stored in its buffers' dtype (``inf`` is never written)."""
+    results = []
+    for s, dtype in zip(stats, dtypes):
+        result = s.finalize(unbiased) if s.count else None
+        if result is not None:
+            top = torch.finfo(dtype).max
+            largest = max(float(result[0].abs().max()), float(result[1].max()))
+            if largest > top:
+                raise NonFiniteStatsError(
+                    "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
+                    "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
+                        s.name, largest, str(dtype).replace("torch.", ""), top))
+        results.append(result)
+    return results
+
+
+def name_untrusted(backend: Backend, stats: Sequence[PopulationStats], report: BNReport) -> None:
+    """Fill ``LayerReport.untrusted`` and name those channels in one warning."""
+    named = []
+    for layer, channels in zip(report.layers, backend.untrusted(stats)):
+        layer.untrusted = channels
+        if channels:
+            shown = ", ".join(map(str, channels[:8])) + (", ..." if len(channels) > 8 else "")
+            named.append("{} (channels {})".format(layer.name, shown))
+    if named:
+        warn("in {} layer(s) the written variance may be off by more than {:g} of itself, {}: {}. "
+             "Recompute with exact=True to measure every call in float64".format(
+                 len(named), UNTRUSTED_RTOL, backend.untrusted_reason, "; ".join(named)))
 
 
 def build_report(
@@ -315,12 +352,10 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
             raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
                 " on any rank" if ranks.world > 1 else ""))
         warn_if_short(opts, outcome, budget_name)
-        results = finalize(outcome.stats, opts.unbiased)
+        results = finalize(outcome.stats, opts.unbiased, backend.dtypes)
         report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
                               world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
-        check_trust = getattr(backend, "check_trust", None)
-        if check_trust is not None:
-            check_trust(outcome.stats, report)
+        name_untrusted(backend, outcome.stats, report)
         logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                     report.samples, report.seconds, report.stop)
         ranks.exchange(ACTIVE)

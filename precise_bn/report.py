@@ -18,6 +18,9 @@ DEFINITIONS = {
                       "sampling error of the written variance",
 }
 
+#: Relative error of a written variance above which a channel is named untrusted.
+UNTRUSTED_RTOL = 1e-3
+
 #: Why a pass ended.
 STOP_REASONS = {
     "budget": "the batch or sample budget was used up",
@@ -48,7 +51,10 @@ class LayerReport:
     ``mean_stderr`` and ``var_stderr`` are per-channel standard errors of ``new_mean`` and
     ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
     between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``untrusted``
-    lists channels whose float32 kernel statistics could not be trusted (Caffe2 path).
+    lists the channels whose written variance may be off by more than :data:`UNTRUSTED_RTOL` of
+    itself, by a worst-case bound on the kernel's float32 statistics
+    (:mod:`precise_bn.pytorch.trust`, :mod:`precise_bn.caffe2.stats`); always empty with
+    ``exact=True``, which measures every call in float64.
     """
 
     name: str

@@ -45,13 +45,13 @@ import torch
 
 from ..data import CyclingBatches
 from ..driver import recalibrate
-from ..errors import ConfigError, LayerError, NonFiniteStatsError, warn
+from ..errors import ConfigError, LayerError, NonFiniteStatsError
 from ..estimator import PopulationStats
 from ..options import Options
 from ..report import BNReport
 from ..signals import Relays, write_last
 from .net import BNBlobs, device_option, devices_of_net, find_bn_layers, forward_only_net, import_caffe2
-from .stats import UNTRUSTED_RTOL, decode_saved_stats, measure_input, untrusted_channels
+from .stats import decode_saved_stats, measure_input, untrusted_channels
 
 logger = logging.getLogger("precise_bn")
 
@@ -173,6 +173,7 @@ class _Caffe2Pass:
         self._buffer: Optional[torch.Tensor] = None
         self.names = list(aux.layers)
         self.eps = [blobs[0].eps for blobs in aux.layers.values()]
+        self.dtypes = [torch.float32] * len(self.names)
         fetch = aux.workspace.FetchBlob
         self.stats = [PopulationStats(fetch(blobs[0].rm).size, name=name) for name, blobs in aux.layers.items()]
         self.iteration = 0
@@ -248,23 +249,12 @@ class _Caffe2Pass:
             self._refuse(b, bad, "non-finite values in the input of the SpatialBN (blob {!r})".format(b.x))
         return mean, var, count
 
-    def check_trust(self, stats: Sequence[PopulationStats], report: BNReport) -> None:
-        """Name, in ``report`` and one warning, the channels whose kernel statistics cannot be
-        trusted (:func:`untrusted_channels`); nothing to name on the exact path."""
-        if self.exact:
-            return
-        named = []
-        for layer, layer_stats in zip(report.layers, stats):
-            layer.untrusted = untrusted_channels(layer_stats)
-            if layer.untrusted:
-                channels = ", ".join(map(str, layer.untrusted[:8])) + (", ..." if len(layer.untrusted) > 8 else "")
-                named.append("{} (channels {})".format(layer.name, channels))
-        if named:
-            warn(
-                "Caffe2's float32 SpatialBN kernel computes E[x^2]-E[x]^2: in {} layer(s) some channels' mean is so "
-                "large next to their std that the written variance may be off by more than {:g} of itself: {}. "
-                "Recompute with exact=True to measure the inputs in float64".format(
-                    len(named), UNTRUSTED_RTOL, "; ".join(named)))
+    untrusted_reason = "because Caffe2's float32 SpatialBN kernel computes E[x^2]-E[x]^2"
+
+    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
+        """Channels whose kernel statistics cannot be trusted (:func:`untrusted_channels`);
+        none on the exact path."""
+        return [[] if self.exact else untrusted_channels(layer_stats) for layer_stats in stats]
 
     def collect(self) -> List[PopulationStats]:
         return self.stats

@@ -13,12 +13,11 @@ import numpy as np
 import torch
 
 from ..estimator import PopulationStats, shifted_moments
+from ..report import UNTRUSTED_RTOL
 
 # float32 carries 24 significant bits: a saved inverse std is only known to 2**-24 relative.
 _FLOAT32_REL = 2.0 ** -24
 
-#: Relative error of a written variance above which its channel is named untrusted.
-UNTRUSTED_RTOL = 1e-3
 
 
 def decode_saved_stats(sm: np.ndarray, siv: np.ndarray, eps: float) -> Tuple[torch.Tensor, torch.Tensor, int]:

@@ -24,8 +24,10 @@ from ..errors import BatchError
 from ..estimator import PopulationStats
 from ..options import ForwardFn
 from ..signals import Relays, critical, write_last
+from ..report import UNTRUSTED_RTOL
 from .capture import CallCapture, Scratch, flush
 from .layers import NamedLayer, no_layer_message
+from .trust import variance_error_bound
 
 Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
 T = TypeVar("T")
@@ -59,6 +61,7 @@ class BNPass:
         self.estimator = "exact" if exact else "kernel"
         self.names = [name for name, _ in self.layers]
         self.eps = [float(m.eps) for _, m in self.layers]
+        self.dtypes = [m.running_var.dtype for _, m in self.layers]
         scratch = Scratch()
         self.captures = [
             CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device), exact, scratch)
@@ -71,6 +74,21 @@ class BNPass:
     @property
     def empty_reason(self) -> str:
         return no_layer_message(self.model)
+
+    untrusted_reason = ("by a worst-case bound on the BN kernel's float32 statistics (a mean far from 0 next to the "
+                        "std, or many elements summed in float32: CPU channels-last or (N, C) inputs, CUDA)")
+
+    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
+        """Channels whose variance may miss :data:`~precise_bn.report.UNTRUSTED_RTOL` by the
+        worst-case bound of :func:`~precise_bn.pytorch.trust.variance_error_bound`."""
+        named: List[List[int]] = []
+        for capture, layer_stats in zip(self.captures, stats):
+            if self.estimator == "exact" or layer_stats.count == 0:
+                named.append([])
+                continue
+            bound = variance_error_bound(layer_stats, capture.float32_elements)
+            named.append(torch.nonzero(bound > UNTRUSTED_RTOL).reshape(-1).tolist())
+        return named
 
     def attached(self) -> "BNPass":
         """``with bn_pass.attached():`` measures inside the block (the object is its own context)."""

@@ -18,12 +18,15 @@ are merged into the layer's float64 :class:`~precise_bn.estimator.PopulationStat
 vectorised step. The layer's own buffers are never written during the pass, and memory is
 bounded by the blocks whatever the number of batches.
 
-``exact=True`` keeps the kernel's statistics for the layers where they meet the exact bound
-(decided from a layer's first call and re-checked block by block: :mod:`.trust`) and measures
-every call of the others from its input: shifted by the float32 batch mean the kernel just
-wrote, the input is of the order of its std, so float64 sums of the shifted values and their
-squares do not cancel even when mean/std = 1e4, and a constant channel gives exactly 0. Those
-float64 statistics go into a float64 block of their own, merged like the kernel's.
+``exact=True`` measures every call from its input instead: shifted by the float32 batch mean
+the kernel just wrote, the input is of the order of its std, so float64 sums of the shifted
+values and their squares do not cancel even when mean/std = 1e4, and a constant channel gives
+exactly 0. Those float64 statistics go into a float64 block of their own, merged like the
+kernel's. Without it, :mod:`.trust` bounds how far the kernel's statistics can be from the
+exact ones, layer by layer, after the pass.
+
+A subclass whose forward changes what the capture relies on (its momentum, training mode,
+buffers) is seen after the call, and that call is measured from its input instead.
 
 Why SyncBatchNorm runs as plain BN: a per-call all-gather would pair up with another rank's
 merge, or hang as soon as ranks have different numbers of batches; normalising each rank's batch
@@ -41,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..estimator import PopulationStats, combine_calls, shifted_moments
+from ..estimator import SHIFT_CHUNK, PopulationStats, combine_calls, shifted_moments
 from . import trust
 
 MAX_BLOCK_CALLS = 64
@@ -139,8 +142,9 @@ class CallCapture:
     Thread-safe: ``nn.DataParallel`` runs the replicas of a layer in threads. A lock held for
     the call keeps one writer per block; blocks are kept per device.
 
-    With ``exact``, ``trusted`` says whether the layer's calls still take the kernel's
-    statistics (None until its first call has been checked).
+    ``float32_elements`` is the most elements per channel of a call whose kernel statistics
+    were kept although the kernel may have summed them in float32 (0: none), what
+    :func:`.trust.variance_error_bound` needs.
     """
 
     def __init__(
@@ -152,7 +156,7 @@ class CallCapture:
     ):
         self.stats = stats
         self.exact = exact
-        self.trusted: Optional[bool] = None if exact else True
+        self.float32_elements = 0
         self.block_calls = block_calls or calls_per_block(stats.num_channels)
         self._scratch = scratch if scratch is not None else Scratch()
         self._blocks: Dict[torch.device, _Block] = {}
@@ -206,54 +210,68 @@ class CallCapture:
                 module._check_input_dim(x)
                 out = F.batch_norm(x, mean, var, module.weight, module.bias, True, 1.0, module.eps)
             else:
-                buffers = module._buffers
-                buffers["running_mean"] = mean
-                buffers["running_var"] = var
+                self._point_at(module, mean, var)
                 out = forward(module, x, *args, **kwargs)
             n = x.numel() // x.shape[1]
             if n == 0:
                 # Nothing was measured; the kernel may have left 0/0 in the slot.
                 mean.zero_()
                 var.zero_()
-            elif not self.exact or self._keeps_kernel_stats(x, direct, mean, var):
-                self._commit(block, n, check=self.exact)
-            else:
+            elif self.exact:
                 self._commit(self._measure_input(x.detach(), mean), n)
+            elif not (direct or self._kernel_wrote(module, mean, var)):
+                # The subclass's forward changed what the capture relies on: the slot holds
+                # something else than this call's statistics, so take them from the input.
+                self._commit(self._measure_input(x.detach(), None), n)
+            else:
+                if not (direct and trust.double_accumulated(x)):
+                    self.float32_elements = max(self.float32_elements, n)
+                self._commit(block, n)
             return out
 
-    def _commit(self, block: _Block, n: int, check: bool = False) -> None:
-        """Count the call just written into ``block``'s next slot; merge a full block (with
-        ``check``, after re-checking that the kernel's statistics may still be kept)."""
+    @staticmethod
+    def _point_at(module: _BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:
+        """Prepare a subclass's own forward to write its batch statistics into the slot: the
+        buffers, training mode and ``momentum = 1``, set again on every call because the model's
+        forward may change them (``bn.momentum = None`` before calling it, for one)."""
+        buffers = module._buffers
+        buffers["running_mean"] = mean
+        buffers["running_var"] = var
+        module.momentum = 1.0
+        module.training = True
+
+    @staticmethod
+    def _kernel_wrote(module: _BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> bool:
+        """Whether a subclass's forward left everything as :meth:`_point_at` set it, so that
+        the kernel wrote exactly the call's statistics into the slot."""
+        buffers = module._buffers
+        return (module.momentum == 1.0 and module.training and module.track_running_stats
+                and buffers.get("running_mean") is mean and buffers.get("running_var") is var)
+
+    def _commit(self, block: _Block, n: int) -> None:
+        """Count the call just written into ``block``'s next slot; merge a full block."""
         block.counts.append(n)
         if len(block.counts) == self.block_calls:
-            if check:
-                self.trusted = trust.block_within(*block.pending())
             self._merge(block)
 
-    def _keeps_kernel_stats(self, x: torch.Tensor, direct: bool, mean: torch.Tensor, var: torch.Tensor) -> bool:
-        """With ``exact``: whether this call may take the kernel's statistics (:mod:`.trust`).
-        Decided on the layer's first call; a later call that the kernel would sum in float32,
-        or a full block that fails its check, ends it for the rest of the pass."""
-        if self.trusted is None:
-            self.trusted = direct and trust.double_accumulated(x) and trust.first_call_within(x, mean, var)
-        elif self.trusted and not (direct and trust.double_accumulated(x)):
-            self.trusted = False
-        return self.trusted
-
-    def _measure_input(self, x: torch.Tensor, shift32: torch.Tensor) -> _Block:
+    def _measure_input(self, x: torch.Tensor, shift32: Optional[torch.Tensor]) -> _Block:
         """Float64 mean and biased variance of this call's input, per channel, measured around
-        the kernel's float32 batch mean (:func:`~precise_bn.estimator.shifted_moments`, through
-        a float64 buffer reused across calls), into the next slot of the layer's float64 block,
-        which is returned. That costs about one to two BN kernels; a fresh float64 copy plus
+        ``shift32`` (the kernel's float32 batch mean; None: a float32 mean taken here) by
+        :func:`~precise_bn.estimator.shifted_moments`, into the next slot of the layer's float64
+        block, which is returned. That costs about one BN kernel; a fresh float64 copy plus
         ``var_mean`` (a scalar Welford loop on CPU) costs four to five. Forming ``y`` and its
-        sums in float32 instead would cost a third less, but float32 sums of y^2 over a
-        sample's spatial positions carry up to 1e-7 relative error, the whole of the exact
-        bound.
+        sums in float32 instead would cost less, but then every square is rounded to float32,
+        up to ``3 * 2**-24`` relative each, and the bound could not be kept in the worst case.
         """
+        if shift32 is None:
+            shift32 = x.float().mean([d for d in range(x.dim()) if d != 1])
+        # A float32 sum that overflowed leaves no usable centre; 0 still measures in float64.
+        shift32 = torch.where(torch.isfinite(shift32), shift32, torch.zeros_like(shift32))
         block = self._measured.get(x.device)
         if block is None:
             block = self._measured[x.device] = _Block(shift32, self.block_calls, torch.float64, unbiased=False)
-        buffer = self._scratch.buffer((x.numel(),), x.device, torch.float64)
+        size = min(x.numel(), max(SHIFT_CHUNK, x[:1].numel()))
+        buffer = self._scratch.buffer((size,), x.device, torch.float64)
         shifted_moments(x.movedim(1, 0), shift32.double(), buffer, out=block.slot(len(block.counts)))
         return block
 
