@@ -1,7 +1,6 @@
 """How batches reach the model: calling conventions, device moves, sample counts, budgets."""
 from __future__ import annotations
 
-import itertools
 from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
@@ -18,20 +17,23 @@ def smart_forward(model: nn.Module, batch: Any) -> Any:
     * a mapping with an ``"input"`` key (ClassyVision samples): ``model(batch["input"])``;
     * anything else (a list of dicts, a dict of other keys): ``model(batch)``.
     """
+    return model(_smart_input(batch)[0])
+
+
+def _smart_input(batch: Any) -> Tuple[Any, bool]:
+    """What :func:`smart_forward` hands the model, and whether one of its rules knew the batch."""
+    if torch.is_tensor(batch):
+        return batch, True
     if isinstance(batch, (list, tuple)) and batch and torch.is_tensor(batch[0]):
-        return model(batch[0])
+        return batch[0], True
     if isinstance(batch, Mapping) and "input" in batch:
-        return model(batch["input"])
-    return model(batch)
+        return batch["input"], True
+    return batch, False
 
 
 def recognised(batch: Any) -> bool:
     """True when :func:`smart_forward` knows what part of ``batch`` is the input."""
-    return (
-        torch.is_tensor(batch)
-        or (isinstance(batch, (list, tuple)) and bool(batch) and torch.is_tensor(batch[0]))
-        or (isinstance(batch, Mapping) and "input" in batch)
-    )
+    return _smart_input(batch)[1]
 
 
 def whole_batch_forward(model: nn.Module, batch: Any) -> Any:
@@ -107,27 +109,6 @@ def planned_batches(data: Iterable[Any], num_batches: Optional[int]) -> Optional
     return num_batches if length is None else min(num_batches, length)
 
 
-def take_budget(
-    batches: Iterator[Any], num_batches: Optional[int], num_samples: Optional[int]
-) -> Iterator[Tuple[Any, int]]:
-    """Yield ``(batch, samples)`` until ``num_batches`` batches or ``num_samples`` samples are seen.
-
-    A batch is never cut: the one that crosses ``num_samples`` is used whole.
-    """
-    seen_batches = seen_samples = 0
-    while (num_batches is None or seen_batches < num_batches) and (
-        num_samples is None or seen_samples < num_samples
-    ):
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        samples = count_samples(batch)
-        seen_batches += 1
-        seen_samples += samples
-        yield batch, samples
-
-
 class CyclingBatches:
     """An endless iterator over a finite iterable that starts a new pass when one runs out.
 
@@ -153,10 +134,3 @@ class CyclingBatches:
         self._it = iter(self.data)
         self.passes += 1
         return next(self._it)
-
-
-def peek(batches: Iterator[Any]) -> Tuple[bool, Iterator[Any]]:
-    """Tell whether ``batches`` has at least one item without losing it."""
-    for first in batches:
-        return True, itertools.chain([first], batches)
-    return False, iter(())

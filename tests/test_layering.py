@@ -23,9 +23,10 @@ LAYERS = [
     ["checkpoint"],
     ["cli"],
 ]
-MAX_MODULE_LINES = 360
-MAX_FUNCTION_LINES = 65
-
+# Lines of code, not counting docstrings, comments or blank lines: the explanations are the
+# code's best part and must never be what gets trimmed to fit.
+MAX_MODULE_CODE = 280
+MAX_FUNCTION_CODE = 50
 
 def _modules() -> Dict[str, Path]:
     found = {}
@@ -95,15 +96,82 @@ def test_no_import_cycle():
             visit(name, [])
 
 
+def _code_lines(tree: ast.AST, lines: list) -> Set[int]:
+    """Line numbers (1-based) that hold code: not blank, not only a comment, not a docstring."""
+    docstrings: Set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return {i for i, line in enumerate(lines, 1)
+            if line.strip() and not line.strip().startswith("#") and i not in docstrings}
+
+
 def test_modules_and_functions_stay_small():
     too_long = []
     for name, path in _modules().items():
         text = path.read_text(encoding="utf-8")
-        if text.count("\n") > MAX_MODULE_LINES:
-            too_long.append("module {}: {} lines".format(name, text.count("\n")))
-        for node in ast.walk(ast.parse(text)):
+        tree = ast.parse(text)
+        code = _code_lines(tree, text.splitlines())
+        if len(code) > MAX_MODULE_CODE:
+            too_long.append("module {}: {} lines of code".format(name, len(code)))
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_long.append("{}.{}: {} lines".format(name, node.name, length))
+                length = len([i for i in code if node.lineno <= i <= node.end_lineno])
+                if length > MAX_FUNCTION_CODE:
+                    too_long.append("{}.{}: {} lines of code".format(name, node.name, length))
     assert not too_long, "\n".join(too_long)
+
+
+def _defined_names(tree: ast.Module) -> Iterator[str]:
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+
+
+def _referenced_names(tree: ast.AST) -> Set[str]:
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names.add(node.value)  # __all__ entries, entry points named in strings
+    return names
+
+
+# Used outside the package on purpose: name -> why.
+OBSERVERS = {
+    "signals.in_critical_section": "the interrupt trials ask whether a line runs inside a critical section",
+}
+
+
+def test_every_module_level_function_and_class_is_used_in_the_package():
+    """No dead code: each module-level function and class of ``precise_bn`` is referenced by the
+    package itself (another module, or its own module beyond its definition), or named in
+    ``pyproject.toml`` (entry points); a definition that only tests use is dead."""
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in _modules().items()}
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8")
+    unused = []
+    for name, tree in trees.items():
+        elsewhere: Set[str] = set()
+        for other, other_tree in trees.items():
+            if other != name:
+                elsewhere |= _referenced_names(other_tree)
+        own = set()
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own |= _referenced_names(node)
+            else:
+                own |= _referenced_names(ast.Module(body=node.body, type_ignores=[]))
+                for deco in node.decorator_list:
+                    own |= _referenced_names(deco)
+        for defined in _defined_names(tree):
+            if defined not in elsewhere and defined not in own and ":" + defined not in pyproject \
+                    and "{}.{}".format(name, defined) not in OBSERVERS:
+                unused.append("precise_bn.{}.{}".format(name, defined))
+    assert not unused, "defined but never used in the package: " + ", ".join(sorted(unused))
