@@ -88,8 +88,10 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
         data = os.path.join(folder, "digits_train.npz")
         torch.save({"model": model.state_dict(), "steps": steps, "seed": seed}, checkpoint)
         np.savez(data, x=train_x.numpy())
-        command = "precise-bn recompute {} --model {} --data npz:{}:x " \
-                  "--num-samples {} --batch-size {}".format(checkpoint, MODEL_SPEC, data, len(train_x), BATCH_SIZE)
+        # The demo wrote this file a moment ago; a torch without weights_only needs the flag.
+        trust = not SAFE_LOAD_AVAILABLE
+        command = "precise-bn recompute {} --model {} --data npz:{}:x --num-samples {} --batch-size {}{}".format(
+            checkpoint, MODEL_SPEC, data, len(train_x), BATCH_SIZE, " --trust-checkpoint" if trust else "")
         if workdir is None:
             command = "the recompute command on files in a temporary folder, deleted at the end (precise-bn demo " \
                       "--workdir DIR keeps them and shows the command)"
@@ -100,8 +102,7 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
             "npz:{}:x".format(data),
             num_samples=len(train_x),
             batch_size=BATCH_SIZE,
-            # The demo wrote this file a moment ago; a torch without weights_only needs the flag.
-            trust=not SAFE_LOAD_AVAILABLE,
+            trust=trust,
             progress=progress,
         )
         ema_accuracy, ema_loss = evaluate(_load(checkpoint), test_x, test_y)
