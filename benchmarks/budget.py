@@ -3,7 +3,7 @@ standard errors against the true error, and what the check costs.
 
     python benchmarks/budget.py [--quick] [--out DIR] [--threads N]
 
-On the demo's CNN trained on scikit-learn's digits (real data) and on torchvision models with a
+On the demo's CNN trained on its bundled digits (real data) and on torchvision models with a
 finite synthetic data set: the population is the data set as batches see it, measured exactly
 (``exact=True``) over many reshuffled epochs, twice with different orders (their distance is the
 target's own noise). Each run reads an endless shuffled loader (reshuffled every epoch) with
@@ -159,18 +159,19 @@ def calibration(model: nn.Module, x: torch.Tensor, batch: int, target: BNReport,
 
 
 def demo_study(cfg: Config) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    from precise_bn.cli import demo
+    from precise_bn import digits
 
-    train_x, train_y, _, _ = demo.load_digits_splits(0)
+    train_x, train_y, _, _ = digits.load_digits()
     torch.manual_seed(0)
-    model = demo.train(demo.make_model(), train_x, train_y, steps=cfg.train_steps, batch_size=demo.BATCH_SIZE, seed=0)
-    result = study("demo CNN, digits ({} steps)".format(cfg.train_steps), model, train_x, demo.BATCH_SIZE,
+    model = digits.train(digits.make_model(), train_x, train_y, steps=cfg.train_steps, batch_size=digits.BATCH_SIZE,
+                         seed=0)
+    result = study("demo CNN, digits ({} steps)".format(cfg.train_steps), model, train_x, digits.BATCH_SIZE,
                    cfg.target_epochs, cfg.max_batches, cfg.fixed_batches)
     ema = BNReport(layers=[dataclasses.replace(layer, new_mean=m.running_mean.double(), new_var=m.running_var.double())
                            for layer, (_, m) in zip(result["target"].layers, cases.bn_layers(model))])
     dm, dv = relative_errors(ema, result["target"])
     result["ema"] = (float(dm.max()), float(dv.max()), float(torch.cat([dm, dv]).median()))
-    return result, calibration(model, train_x, demo.BATCH_SIZE, result["target"], cfg)
+    return result, calibration(model, train_x, digits.BATCH_SIZE, result["target"], cfg)
 
 
 def synthetic_study(case: cases.Case, size: int, cfg: Config) -> Dict[str, Any]:

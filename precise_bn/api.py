@@ -1,7 +1,7 @@
 """The entry points for PyTorch models: :func:`recompute`, and the fvcore and swa_utils drop-ins.
 
 All three run :func:`recalibrate`; they differ only in how a batch reaches the model and in
-the defaults their originals have (see the README's table of differences).
+the defaults their originals have (see the table of differences in docs/dropins.md).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def update_bn_stats(
     As in fvcore, every batch goes to ``model(batch)`` whatever its type (unless a
     ``forward_fn`` is given), at most ``num_iters`` batches are read, and ``progress`` may be
     anything: a bar is shown for ``"tqdm"`` (and ``True``). ``**options`` are those of
-    :func:`recompute` (``num_batches`` excepted: it is ``num_iters`` here). The README lists
+    :func:`recompute` (``num_batches`` excepted: it is ``num_iters`` here). docs/dropins.md lists
     every difference from fvcore (population variance, restored ``num_batches_tracked``, a
     warning instead of an ``AssertionError`` for a short loader, ...).
     """
@@ -125,7 +125,7 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, 
     As in swa_utils, a list/tuple batch gives ``model(batch[0])`` and anything else
     ``model(batch)``, the input moved to ``device``, and every BN layer that tracks running
     stats is recomputed whatever its train flag. What differs (exact population statistics,
-    dropout left as it was, ...) is listed in the README.
+    dropout left as it was, ...) is listed in docs/dropins.md.
     """
     opts = Options(device=device, layers="all", progress=False)
     return recalibrate(model, loader, opts.replace(device=None), _swa_forward(opts.device))

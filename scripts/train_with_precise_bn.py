@@ -2,7 +2,7 @@
 
     python scripts/train_with_precise_bn.py [--steps 200] [--out DIR]
 
-Trains the demo's small CNN on scikit-learn's built-in 8x8 digits (no download, under a minute
+Trains the demo's small CNN on the 8x8 digits bundled with the package (no download, under a minute
 on a CPU). Every --eval-every steps it evaluates with the running stats that training left,
 then with precise stats; an EMA copy of the weights, whose BN buffers are never trained, gets its
 stats from the same batches. Every --save-every steps it writes a checkpoint (into --out, or a
@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from precise_bn.atomic import atomic_write
-from precise_bn.cli.demo import evaluate, load_digits_splits, make_model
+from precise_bn.digits import evaluate, load_digits, make_model
 from precise_bn.hooks import PreciseBNHook
 
 
@@ -51,7 +51,7 @@ def main() -> None:
 def train(args: argparse.Namespace, out: str) -> None:
     """The training loop, writing its checkpoints into ``out``."""
     torch.manual_seed(0)
-    train_x, train_y, test_x, test_y = load_digits_splits()
+    train_x, train_y, test_x, test_y = load_digits()
     train_loader = DataLoader(TensorDataset(train_x, train_y), batch_size=16, shuffle=True)
     model = make_model()
     ema = copy.deepcopy(model)

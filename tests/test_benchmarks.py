@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import budget  # noqa: E402
 import common  # noqa: E402
 import compare  # noqa: E402
+import demo_seeds  # noqa: E402
 import exact_attack  # noqa: E402
 import exact_cost  # noqa: E402
 import interleaved  # noqa: E402
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.main_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved, "budget": budget,
-            "exact": exact_cost, "attack": exact_attack}
+            "exact": exact_cost, "attack": exact_attack, "demo": demo_seeds}
 
 
 def test_every_script_runs_quick_and_writes_its_own_section(tmp_path):
@@ -47,6 +48,7 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path):
         assert "| {} |".format(name) in text
     for method in methods.METHODS:
         assert "| {} |".format(method) in text
+    assert "| seed | EMA accuracy |" in text and "Over 2 seeds" in text
     for variant in ("| identical |", "| empty hook |", "| capture |", "| rtol=0.01 |", "| 1 process |"):
         assert variant in text
     for png in ("scaling.png", "memory.png", "budget.png"):

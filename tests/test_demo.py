@@ -1,4 +1,5 @@
-"""``precise-bn demo`` end to end as a command, the pieces the benchmarks reuse, and the example training script."""
+"""``precise-bn demo`` end to end as a command, its bundled digits (no scikit-learn), the pieces the
+benchmarks reuse, and the example training script."""
 from __future__ import annotations
 
 import re
@@ -11,14 +12,12 @@ import pytest
 import torch
 
 from cli_helpers import REPO, load, run_cli
-from precise_bn.errors import BackendUnavailableError
+from precise_bn.digits import DATA_FILE, evaluate, load_digits, make_model
 from reference import assert_close_default, float64_reference
 
 
-@pytest.mark.main_env
 def test_demo_command_end_to_end(tmp_path, capsys):
     from precise_bn.cli.data_specs import resolve_data
-    from precise_bn.cli.demo import evaluate, load_digits_splits, make_model
 
     result = run_cli(capsys, "demo", "--steps", "60", "--workdir", tmp_path)
     assert result.returncode == 0, result.stderr
@@ -33,7 +32,7 @@ def test_demo_command_end_to_end(tmp_path, capsys):
 
     original, written = load(tmp_path / "digits_cnn.pt"), load(tmp_path / "digits_cnn.precise_bn.pt")
     assert written["steps"] == 60 and written["seed"] == 0
-    _, _, test_x, test_y = load_digits_splits(0)
+    _, _, test_x, test_y = load_digits()
     for kind, state in (("EMA", original["model"]), ("precise", written["model"])):
         net = make_model()
         net.load_state_dict(state)
@@ -43,40 +42,51 @@ def test_demo_command_end_to_end(tmp_path, capsys):
     net = make_model()
     net.load_state_dict(original["model"])
     used = list(resolve_data("npz:{}:x".format(tmp_path / "digits_train.npz"), batch_size=32))
-    assert sum(len(b[0]) for b in used) == len(load_digits_splits(0)[0])
+    assert sum(len(b[0]) for b in used) == len(load_digits()[0])
     ref = float64_reference(net, used)
     assert len(ref) == 4
     for name, (mean, var, _) in ref.items():
         assert_close_default(written["model"][name + ".running_mean"], written["model"][name + ".running_var"], mean, var, name)
 
 
-@pytest.mark.main_env
-def test_digits_splits_are_stratified_and_seeded():
-    from precise_bn.cli.demo import load_digits_splits
-
-    train_x, train_y, test_x, test_y = load_digits_splits(0)
+def test_bundled_digits_are_a_fixed_stratified_split():
+    train_x, train_y, test_x, test_y = load_digits()
     assert train_x.dtype == torch.float32 and train_y.dtype == torch.int64
-    assert train_x.shape[1:] == (1, 8, 8) and len(train_x) + len(test_x) == 1797
-    assert 0.0 <= float(train_x.min()) and float(train_x.max()) <= 1.0
+    assert train_x.shape == (1347, 1, 8, 8) and test_x.shape == (450, 1, 8, 8)
+    assert len(train_y) == 1347 and len(test_y) == 450
+    assert torch.equal(torch.unique(train_x * 16), torch.arange(17.0))  # the pixel levels 0-16, scaled to [0, 1]
     per_class_test = torch.bincount(test_y, minlength=10).double() / torch.bincount(torch.cat([train_y, test_y])).double()
     assert ((per_class_test - 0.25).abs() < 0.02).all()
-    assert torch.equal(load_digits_splits(0)[3], test_y)
-    assert not torch.equal(load_digits_splits(1)[3], test_y)
+    assert all(torch.equal(a, b) for a, b in zip(load_digits(), (train_x, train_y, test_x, test_y)))
 
 
-def test_demo_without_scikit_learn_says_how_to_install(monkeypatch):
-    from precise_bn.cli.demo import load_digits_splits
-
-    monkeypatch.setitem(sys.modules, "sklearn", None)
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-    with pytest.raises(BackendUnavailableError, match=r"pip install precise-bn\[demo\]"):
-        load_digits_splits()
+def test_demo_runs_without_scikit_learn(monkeypatch, capsys):
+    for name in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):
+        monkeypatch.setitem(sys.modules, name, None)  # any import of them now raises ImportError
+    result = run_cli(capsys, "demo", "--steps", "5", "-q")
+    assert result.returncode == 0, result.stderr
+    assert "held-out accuracy with the precise stats" in result.stdout
 
 
 @pytest.mark.main_env
-def test_demo_prints_a_command_only_for_files_that_stay(tmp_path, capsys):
-    from precise_bn.cli.demo import load_digits_splits
+def test_bundled_digits_are_scikit_learns_and_ship_with_the_package():
+    """The file ``scripts/export_digits.py`` wrote holds scikit-learn's digits in its split, and
+    the wheel carries it (package data)."""
+    import numpy as np
+    import tomllib
 
+    export = runpy.run_path(str(REPO / "scripts" / "export_digits.py"))
+    assert Path(export["TARGET"]) == DATA_FILE
+    with np.load(DATA_FILE, allow_pickle=False) as shipped:
+        expected = export["digits_arrays"]()
+        assert sorted(shipped.files) == sorted(expected)
+        for name, array in expected.items():
+            assert shipped[name].dtype == array.dtype and np.array_equal(shipped[name], array), name
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert DATA_FILE.name in package_data["precise_bn"]
+
+
+def test_demo_prints_a_command_only_for_files_that_stay(tmp_path, capsys):
     result = run_cli(capsys, "demo", "--steps", "5", "-q")
     assert result.returncode == 0, result.stderr
     assert "precise-bn recompute" not in result.stdout and "--workdir DIR" in result.stdout
@@ -91,10 +101,9 @@ def test_demo_prints_a_command_only_for_files_that_stay(tmp_path, capsys):
         torch.set_num_threads(threads)
     again, first = load(tmp_path / "again.pt")["model"], load(tmp_path / "digits_cnn.precise_bn.pt")["model"]
     assert all(torch.equal(again[k], first[k]) for k in first)
-    assert int(args[args.index("--num-samples") + 1]) == len(load_digits_splits(0)[0])
+    assert int(args[args.index("--num-samples") + 1]) == len(load_digits()[0])
 
 
-@pytest.mark.main_env
 def test_example_training_script_leaves_no_files_behind(tmp_path, monkeypatch, capsys):
     script = REPO / "scripts" / "train_with_precise_bn.py"
     monkeypatch.chdir(tmp_path)

@@ -1,6 +1,6 @@
 """The drop-ins keep their originals' contracts: fvcore's ``update_bn_stats`` and swa_utils'
 ``update_bn``, run side by side with the originals (installed in the main environment), and
-every difference the README's table lists."""
+every difference the table in docs/dropins.md lists."""
 from __future__ import annotations
 
 import copy
@@ -101,7 +101,7 @@ def test_fvcore_progress_accepts_any_value_and_shows_a_bar_only_for_tqdm(progres
     assert "2/2" in capsys.readouterr().err
 
 
-def test_fvcore_differences_listed_in_the_readme():
+def test_fvcore_differences_listed_in_dropins_md():
     """Short loader: a warning, not an AssertionError; the report is returned; a reused layer
     counts every call; num_batches_tracked and layers that never ran keep their values."""
     model = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3))
@@ -225,7 +225,7 @@ class _Fails:
         raise OSError("loader broke")
 
 
-def test_every_fvcore_difference_in_the_readme_table():
+def test_every_fvcore_difference_in_the_dropins_table():
     images = _images(3)
     # return value, data shorter than num_iters, no batch at all, num_iters=None
     assert fvcore_update_bn_stats(nn.BatchNorm2d(3), images, num_iters=3) is None
@@ -274,7 +274,7 @@ class _FirstOnly(nn.Module):
         return self.seq[0](x)
 
 
-def test_every_swa_difference_in_the_readme_table():
+def test_every_swa_difference_in_the_dropins_table():
     gen = torch.Generator().manual_seed(4)
     ragged = [torch.randn(n, 3, 4, 4, generator=gen) * 2 + k for k, n in enumerate((2, 9, 3))]
     ours, theirs = SwaRecorder(), SwaRecorder()

@@ -104,18 +104,18 @@ def test_correlated_batches_make_the_standard_errors_optimistic(population):
 
 @pytest.mark.main_env
 def test_calibrated_on_the_demo_cnn_and_its_digits():
-    """The demo's CNN trained on scikit-learn's digits: the population is the training set as
+    """The demo's CNN trained on its bundled digits: the population is the training set as
     batches of 32 random images see it (every layer after the first depends on which images share
     a batch), measured exactly over 400 random batches."""
-    from precise_bn.cli import demo
+    from precise_bn import digits
 
-    train_x, train_y, _, _ = demo.load_digits_splits(0)
+    train_x, train_y, _, _ = digits.load_digits()
     torch.manual_seed(0)
-    model = demo.train(demo.make_model(), train_x, train_y, steps=60, batch_size=demo.BATCH_SIZE, seed=0)
+    model = digits.train(digits.make_model(), train_x, train_y, steps=60, batch_size=digits.BATCH_SIZE, seed=0)
 
     def random_batches(seed, count):
         gen = torch.Generator().manual_seed(seed)
-        return [train_x[torch.randperm(len(train_x), generator=gen)[: demo.BATCH_SIZE]] for _ in range(count)]
+        return [train_x[torch.randperm(len(train_x), generator=gen)[: digits.BATCH_SIZE]] for _ in range(count)]
 
     target = recompute(copy.deepcopy(model), random_batches(1, 400), exact=True, progress=False)
     errors = {"mean": [], "var": []}
