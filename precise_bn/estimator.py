@@ -91,7 +91,7 @@ class CallGroup:
 #: Float64 values of ``y`` formed at a time by :func:`shifted_moments`: a chunk this size stays in
 #: the CPU's cache between being written and being summed, which halves the measurement's cost
 #: next to forming the whole of ``y`` first.
-SHIFT_CHUNK = 1 << 17
+SHIFT_CHUNK = 1 << 15
 
 
 def shifted_moments(
