@@ -6,6 +6,7 @@ batches while the ranks only report what they ended with.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import warnings
@@ -246,8 +247,9 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
 LONG_TIMEOUT = 120.0
 
 
-def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """Join a gloo group through a file store and run every scenario, saving after each one.
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, table: str = __name__) -> None:
+    """Join a gloo group through a file store and run every scenario of module ``table``'s
+    ``SCENARIOS``, saving after each one.
 
     Saving after each scenario keeps what finished if a later one hangs; an error is recorded
     as that scenario's result, since the tests check which error each rank raised.
@@ -256,7 +258,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
     path = os.path.join(out_dir, "rank{}.pt".format(rank))
     results: Dict[str, Result] = {}
-    for name, scenario in SCENARIOS.items():
+    for name, scenario in importlib.import_module(table).SCENARIOS.items():
         try:
             results[name] = scenario(rank, world)
         except BaseException as exc:
@@ -266,7 +268,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, tmp_dir: str, timeout: float) -> List[Result]:
+def spawn_ranks(world: int, tmp_dir: str, timeout: float, table: str = __name__) -> List[Result]:
     """Run :func:`run_rank` on ``world`` spawned processes; kill them all past ``timeout`` s.
 
     Returns each rank's results (scenarios that never finished are absent) and, under the key
@@ -274,7 +276,7 @@ def spawn_ranks(world: int, tmp_dir: str, timeout: float) -> List[Result]:
     """
     init_file = os.path.join(tmp_dir, "store")
     context = mp.spawn(
-        run_rank, args=(world, init_file, tmp_dir), nprocs=world, join=False
+        run_rank, args=(world, init_file, tmp_dir, table), nprocs=world, join=False
     )
     deadline = time.monotonic() + timeout
     finished = False
