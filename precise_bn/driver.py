@@ -307,12 +307,14 @@ def recalibrate(
         results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
         return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))
     except BaseException:
-        if ranks is not None:
-            ranks.abort()
-        if backend is not None:
-            backend.restore()
-        torch.set_grad_enabled(grad_enabled)
-        relays.release()
+        try:
+            if ranks is not None:
+                ranks.abort()
+            if backend is not None:
+                backend.restore()
+        finally:  # whatever the abort or the restore raise, no relay stays installed
+            torch.set_grad_enabled(grad_enabled)
+            relays.release()
         raise
 
 

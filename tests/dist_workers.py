@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from precise_bn import BatchNormHelper, PreciseBNHook, recompute
+from precise_bn import BatchNormHelper, PopulationStats, PreciseBNHook, recompute
+from precise_bn.distributed import Ranks
 
 Result = Dict[str, Any]
 
@@ -222,7 +223,32 @@ def _warning_as_error(rank: int, world: int) -> Result:
         return raised(model, lambda: recompute(model, batches, num_batches=4, timeout=LONG_TIMEOUT))
 
 
+MERGE_WIDTHS = [5, 1, 7, 2]  # cut mid-layer by 2 and by 3 ranks
+
+
+def random_stats(rank: int) -> List[PopulationStats]:
+    """Layers of :data:`MERGE_WIDTHS` channels with a few calls of random statistics."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    stats = []
+    for index, width in enumerate(MERGE_WIDTHS):
+        layer = PopulationStats(width, name="layer{}".format(index))
+        for calls in range(1 + rank % 2 + index % 3):
+            layer.add_call(torch.randn(width, generator=gen) * 3 + 1, torch.rand(width, generator=gen) + 0.1,
+                           3 + calls + rank)
+        stats.append(layer)
+    return stats
+
+
+def _sliced_merge(rank: int, world: int) -> Result:
+    """The sliced merge over real collectives, and the per-layer maximum the rtol round uses."""
+    ranks = Ranks(True, timeout=LONG_TIMEOUT)
+    part = ranks.merge_part(random_stats(rank))
+    worst = ranks.worst(part, lambda piece: float(piece.mean.max()))
+    return {"merged": [s.state() for s in ranks.assemble(part)], "worst": worst, "received": ranks.received}
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
+    "sliced_merge": _sliced_merge,
     "kernel": _plain,
     "exact": lambda rank, world: _plain(rank, world, exact=True),
     "per_rank": lambda rank, world: _plain(rank, world, sync=False),
