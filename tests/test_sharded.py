@@ -91,3 +91,28 @@ def test_after_a_timeout_the_users_group_and_later_calls_still_work(runs):
     assert_identical_on_all_ranks([r["again"] for r in per_rank], "after the timeout")
     assert_matches_reference([r["again"] for r in per_rank], W.union_batches(S.ONE_VS_NINE, 2),
                              assert_close_default, "after the timeout")
+
+
+def test_accelerate_counts_the_padding_of_even_batches(runs):
+    """Accelerate (``even_batches=True``) pads the last batches so that every rank has as many:
+    the padding samples are measured like the others; the merge is what the ranks were given."""
+    per_rank = scenario(runs, "accelerate")
+    for result in per_rank:
+        assert "error" not in result, result
+        assert result["wrapped"] == "DistributedDataParallel"
+    seen = [batch for result in per_rank for batch in result["seen"]]
+    assert sum(len(b) for b in seen) > S.ACCELERATE_SAMPLES  # padded
+    assert_identical_on_all_ranks(per_rank, "accelerate")
+    assert_matches_reference(per_rank, seen, assert_close_default, "accelerate")
+
+
+def test_lightning_ddp_callback_merges_the_ranks(runs):
+    per_rank = scenario(runs, "lightning_ddp")
+    for result in per_rank:
+        assert "error" not in result, result
+    batches = [b for rank in range(2) for b in W.cycled(W.rank_batches(S.ONE_VS_NINE, rank), S.LIGHTNING_BATCHES)]
+    ref = float64_reference(W.make_model(), batches)
+    for result in per_rank:
+        for name, (ref_mean, ref_var, _) in ref.items():
+            assert_close_default(*result["buffers"][name], ref_mean, ref_var, "lightning ddp " + name)
+    assert all(torch.equal(per_rank[0]["buffers"][n][i], per_rank[1]["buffers"][n][i]) for n in ref for i in (0, 1))

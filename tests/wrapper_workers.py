@@ -154,6 +154,62 @@ def _no_limit(rank: int, world: int) -> Result:
     return outcome(model, recompute(model, rank_batches(ONE_VS_NINE, rank), timeout=None, progress=False))
 
 
+def _launcher_env(rank: int, world: int) -> None:
+    """What torchrun would set; the process group is joined already, so none is contacted."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29400")
+
+
+ACCELERATE_SAMPLES = 11  # over 2 ranks in batches of 2: the last batch is padded (even_batches)
+
+
+def accelerate_dataset() -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(torch.cat(rank_batches([[ACCELERATE_SAMPLES]], 0)))
+
+
+def _accelerate(rank: int, world: int) -> Result:
+    from accelerate import Accelerator
+
+    _launcher_env(rank, world)
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    ddp, loader = accelerator.prepare(model, torch.utils.data.DataLoader(accelerate_dataset(), batch_size=2))
+    seen = [batch[0].clone() for batch in loader]
+    out = outcome(model, recompute(ddp, loader, progress=False))
+    out["seen"] = seen
+    out["wrapped"] = type(ddp).__name__
+    return out
+
+
+LIGHTNING_BATCHES = 9  # the callback cycles each rank's batches up to its budget
+
+
+def _lightning_ddp(rank: int, world: int) -> Result:
+    import lightning.pytorch as pl
+
+    from precise_bn.lightning import PreciseBNCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self(batch[0])
+
+    _launcher_env(rank, world)
+    module = Module()
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=world, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False,
+                         callbacks=[PreciseBNCallback(num_batches=LIGHTNING_BATCHES, data=rank_batches(ONE_VS_NINE, rank))])
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 3, 6, 6)), batch_size=1)
+    trainer.validate(module, dataloaders=data, verbose=False)
+    return outcome(module.net)
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "plain_uneven": _plain_uneven,
     "fsdp2_uneven": _fsdp2_uneven,
@@ -163,4 +219,6 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "no_limit": _no_limit,
     "out_of_step": _out_of_step,
     "timeout": _timeout_leaves_the_group_usable,
+    "accelerate": _accelerate,
+    "lightning_ddp": _lightning_ddp,
 }
