@@ -71,8 +71,7 @@ def recompute(
             ``mean_stderr <= rtol * std`` and ``var_stderr <= rtol * var`` (checked every few
             batches; see :mod:`precise_bn.driver`). The budget still applies.
         min_batches: batches read (over all ranks) before ``rtol`` may stop the pass.
-        timeout: seconds a rank waits for the others before raising DistributedError
-            (None or ``float("inf")``: no limit; see docs/distributed.md).
+        timeout: seconds a rank waits for the others before raising DistributedError (None: no limit).
         log_period: without a bar, log the time per batch every this many batches.
 
     Returns:

@@ -202,9 +202,9 @@ def _lightning_ddp(rank: int, world: int) -> Result:
 
     _launcher_env(rank, world)
     module = Module()
+    callback = PreciseBNCallback(num_batches=LIGHTNING_BATCHES, data=rank_batches(ONE_VS_NINE, rank))
     trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=world, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False,
-                         callbacks=[PreciseBNCallback(num_batches=LIGHTNING_BATCHES, data=rank_batches(ONE_VS_NINE, rank))])
+                         enable_checkpointing=False, enable_model_summary=False, callbacks=[callback])
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 3, 6, 6)), batch_size=1)
     trainer.validate(module, dataloaders=data, verbose=False)
     return outcome(module.net)
