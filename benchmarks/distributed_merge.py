@@ -174,8 +174,8 @@ def main(argv: Sequence[str] = ()) -> None:
         "min(W, 64) and scaled by W/min(W, 64); sliced: packing its W chunks, merging W chunks of its "
         "slice and joining W merged slices). Formula: gather all receives 8 (W-1) (3 L + 12 C) bytes; the sliced merge "
         "8 * 2 (W-1) S with S = 3 s + 12 ceil(C / W), s the most layers a slice touches, "
-        "so about 16 (12 C + 3 s W) bytes: flat in W up to the 3 s W term (s is 1 to 3 for ResNet-50 "
-        "from 64 ranks on). The rtol round is half of that plus 8 bytes per layer.",
+        "so about 16 (12 C + 3 s W) bytes: flat in W up to the 3 s W term (s is 5 for ResNet-50 at 64 "
+        "ranks, 2 at 1024). The rtol round is half of that plus 8 bytes per layer.",
         markdown_table(["ranks", "gather all (bytes)", "sliced (bytes)", "rtol round (bytes)",
                         "gather all, local merge (s)", "sliced, local merge (s)"], scale),
     ])
