@@ -13,6 +13,8 @@ import wrapper_workers as S
 from reference import assert_close_default, float64_reference
 from test_distributed import SPAWN_TIMEOUT_S, assert_identical_on_all_ranks, assert_matches_reference
 
+pytestmark = pytest.mark.main_env  # FSDP2, Accelerate and Lightning
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
