@@ -36,7 +36,7 @@ def recompute(
     progress: Optional[bool] = None,
     rtol: Optional[float] = None,
     min_batches: int = DEFAULT_MIN_BATCHES,
-    timeout: Union[float, datetime.timedelta] = DEFAULT_TIMEOUT,
+    timeout: Union[None, float, datetime.timedelta] = DEFAULT_TIMEOUT,
     log_period: Optional[int] = 20,
 ) -> BNReport:
     """Recompute the BN layers' running stats as the population statistics of their inputs.
@@ -71,7 +71,7 @@ def recompute(
             ``mean_stderr <= rtol * std`` and ``var_stderr <= rtol * var`` (checked every few
             batches; see :mod:`precise_bn.driver`). The budget still applies.
         min_batches: batches read (over all ranks) before ``rtol`` may stop the pass.
-        timeout: seconds a rank waits for the others before raising DistributedError.
+        timeout: seconds a rank waits for the others before raising DistributedError (None: no limit).
         log_period: without a bar, log the time per batch every this many batches.
 
     Returns:

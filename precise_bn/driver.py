@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -97,21 +98,27 @@ class Outcome:
     local_samples: int
 
 
+def worst_ratio(stats: PopulationStats, unbiased: bool = False) -> float:
+    """The largest of ``mean_stderr / std`` and ``var_stderr / var`` over the live channels of
+    ``stats`` (a whole layer or a slice of its channels): 0 for a layer that never ran or only
+    dead channels (variance 0: exact), infinite for fewer than two calls (no standard error)."""
+    if stats.count == 0:
+        return 0.0
+    var = stats.m2 / stats.count
+    mean_se, var_se = stats.stderr(unbiased)
+    live = var > 0
+    if not bool(live.any()):
+        return 0.0
+    ratios = torch.cat([mean_se[live] / var[live].sqrt(), var_se[live] / var[live]])
+    worst = float(ratios.max())
+    return math.inf if math.isnan(worst) else worst
+
+
 def precise_enough(stats: Sequence[PopulationStats], rtol: float, unbiased: bool = False) -> bool:
     """True when every channel of every layer that ran has ``mean_stderr <= rtol * std`` and
     ``var_stderr <= rtol * var``. Channels of variance 0 (dead) are exact and never block; a
     layer with fewer than two calls has no standard error yet and blocks."""
-    for s in stats:
-        if s.count == 0:
-            continue
-        var = s.m2 / s.count
-        mean_se, var_se = s.stderr(unbiased)
-        live = var > 0
-        if not bool((mean_se[live] <= rtol * var[live].sqrt()).all()):
-            return False
-        if not bool((var_se[live] <= rtol * var[live]).all()):
-            return False
-    return True
+    return all(worst_ratio(s, unbiased) <= rtol for s in stats)
 
 
 class _Progress:
@@ -172,8 +179,14 @@ class _Rounds:
         check = self.opts.rtol is not None and self.totals[0] >= self.opts.min_batches
         if not (check or all_done):
             return all_done, False
-        self.merged = self.ranks.gather_stats(self.backend.collect())
-        return all_done, check and precise_enough(self.merged, self.opts.rtol or 0.0, self.opts.unbiased)
+        # Each rank merges a slice of the channels; the decision needs only each layer's worst
+        # ratio over the slices, and the whole statistics travel once the pass stops.
+        part = self.ranks.merge_part(self.backend.collect())
+        precise = check and max(self.ranks.worst(part, lambda s: worst_ratio(s, self.opts.unbiased)),
+                                default=0.0) <= (self.opts.rtol or 0.0)
+        if precise or all_done:
+            self.merged = self.ranks.assemble(part)
+        return all_done, precise
 
 
 def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks,
@@ -322,21 +335,23 @@ def recalibrate(
         relays.install()
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
         backend = make_backend()
-        ranks.exchange(ACTIVE, layout_=layout(backend.collect()))
+        ranks.exchange(ACTIVE, layout_=layout(backend.collect()), round_="start")
         if not backend.names:
             logger.warning("%s: nothing to recompute: %s", label, backend.empty_reason)
-            ranks.finished = True
+            ranks.finish()
             relays.release()
             return BNReport(world_size=ranks.world, estimator=backend.estimator)
         results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
         return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))
     except BaseException:
-        if ranks is not None:
-            ranks.abort()
-        if backend is not None:
-            backend.restore()
-        torch.set_grad_enabled(grad_enabled)
-        relays.release()
+        try:
+            if ranks is not None:
+                ranks.abort()
+            if backend is not None:
+                backend.restore()
+        finally:  # whatever the abort or the restore raise, no relay stays installed
+            torch.set_grad_enabled(grad_enabled)
+            relays.release()
         raise
 
 
@@ -358,6 +373,6 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         name_untrusted(backend, outcome.stats, report)
         logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                     report.samples, report.seconds, report.stop)
-        ranks.exchange(ACTIVE)
-        ranks.finished = True
+        ranks.exchange(ACTIVE, round_="end")
+        ranks.finish()
     return results, report

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import math
 import numbers
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
@@ -80,9 +81,13 @@ def _autocast(value: Any) -> None:
 
 
 def _timeout(value: Any) -> float:
+    """Seconds; ``None`` and ``float("inf")`` are no limit (``math.inf``). A positive value is
+    never rounded down to 0, which backends read as no limit."""
+    if value is None:
+        return math.inf
     seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0:
-        raise ConfigError("timeout must be a positive number of seconds or a timedelta, "
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0 or seconds != seconds:
+        raise ConfigError("timeout must be a positive number of seconds, a timedelta, or None (no limit), "
                           "got {!r}".format(value))
     return float(seconds)
 

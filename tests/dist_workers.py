@@ -6,6 +6,7 @@ batches while the ranks only report what they ended with.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import warnings
@@ -17,7 +18,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from precise_bn import BatchNormHelper, PreciseBNHook, recompute
+from precise_bn import BatchNormHelper, PopulationStats, PreciseBNHook, recompute
+from precise_bn.distributed import Ranks
 
 Result = Dict[str, Any]
 
@@ -221,7 +223,32 @@ def _warning_as_error(rank: int, world: int) -> Result:
         return raised(model, lambda: recompute(model, batches, num_batches=4, timeout=LONG_TIMEOUT))
 
 
+MERGE_WIDTHS = [5, 1, 7, 2]  # cut mid-layer by 2 and by 3 ranks
+
+
+def random_stats(rank: int) -> List[PopulationStats]:
+    """Layers of :data:`MERGE_WIDTHS` channels with a few calls of random statistics."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    stats = []
+    for index, width in enumerate(MERGE_WIDTHS):
+        layer = PopulationStats(width, name="layer{}".format(index))
+        for calls in range(1 + rank % 2 + index % 3):
+            layer.add_call(torch.randn(width, generator=gen) * 3 + 1, torch.rand(width, generator=gen) + 0.1,
+                           3 + calls + rank)
+        stats.append(layer)
+    return stats
+
+
+def _sliced_merge(rank: int, world: int) -> Result:
+    """The sliced merge over real collectives, and the per-layer maximum the rtol round uses."""
+    ranks = Ranks(True, timeout=LONG_TIMEOUT)
+    part = ranks.merge_part(random_stats(rank))
+    worst = ranks.worst(part, lambda piece: float(piece.mean.max()))
+    return {"merged": [s.state() for s in ranks.assemble(part)], "worst": worst, "received": ranks.received}
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
+    "sliced_merge": _sliced_merge,
     "kernel": _plain,
     "exact": lambda rank, world: _plain(rank, world, exact=True),
     "per_rank": lambda rank, world: _plain(rank, world, sync=False),
@@ -246,8 +273,9 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
 LONG_TIMEOUT = 120.0
 
 
-def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """Join a gloo group through a file store and run every scenario, saving after each one.
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, table: str = __name__) -> None:
+    """Join a gloo group through a file store and run every scenario of module ``table``'s
+    ``SCENARIOS``, saving after each one.
 
     Saving after each scenario keeps what finished if a later one hangs; an error is recorded
     as that scenario's result, since the tests check which error each rank raised.
@@ -256,7 +284,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
     path = os.path.join(out_dir, "rank{}.pt".format(rank))
     results: Dict[str, Result] = {}
-    for name, scenario in SCENARIOS.items():
+    for name, scenario in importlib.import_module(table).SCENARIOS.items():
         try:
             results[name] = scenario(rank, world)
         except BaseException as exc:
@@ -266,7 +294,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, tmp_dir: str, timeout: float) -> List[Result]:
+def spawn_ranks(world: int, tmp_dir: str, timeout: float, table: str = __name__) -> List[Result]:
     """Run :func:`run_rank` on ``world`` spawned processes; kill them all past ``timeout`` s.
 
     Returns each rank's results (scenarios that never finished are absent) and, under the key
@@ -274,7 +302,7 @@ def spawn_ranks(world: int, tmp_dir: str, timeout: float) -> List[Result]:
     """
     init_file = os.path.join(tmp_dir, "store")
     context = mp.spawn(
-        run_rank, args=(world, init_file, tmp_dir), nprocs=world, join=False
+        run_rank, args=(world, init_file, tmp_dir, table), nprocs=world, join=False
     )
     deadline = time.monotonic() + timeout
     finished = False

@@ -268,3 +268,21 @@ def test_torchrun_example_env_init(tmp_path):
         assert_close_default(
             state[name + ".running_mean"], state[name + ".running_var"], ref_mean, ref_var, name
         )
+
+
+def test_sliced_merge_equals_one_process_merging_in_rank_order(world_runs):
+    """Every rank ends with the bits of one process merging every rank's statistics in rank
+    order, though each merged only a slice of the channels; the rtol round's maximum per layer
+    is the maximum over the whole merged layer."""
+    world, per_rank = scenario(world_runs, "sliced_merge")
+    expected = []
+    for index, width in enumerate(W.MERGE_WIDTHS):
+        total = PopulationStats(width)
+        for rank in range(world):
+            total.merge(W.random_stats(rank)[index])
+        expected.append(total)
+    for result in per_rank:
+        assert all(torch.equal(got, want.state()) for got, want in zip(result["merged"], expected))
+        assert result["worst"] == [float(s.mean.max()) for s in expected]
+        payload = sum(PopulationStats.state_size(w) for w in W.MERGE_WIDTHS) * 8
+        assert 0 < result["received"] < 2 * payload  # an all-gather of everything would be (world - 1) x

@@ -88,8 +88,8 @@ def _init_distributed(device: Optional[str], timeout: float) -> bool:
         return False
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout))
+    limit = distributed.wait_limit(timeout) or datetime.timedelta(seconds=distributed.NO_LIMIT_S)
+    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo", timeout=limit)
     return True
 
 

@@ -27,6 +27,7 @@ from ..signals import Relays, critical, write_last
 from ..report import UNTRUSTED_RTOL
 from .capture import CallCapture, Scratch, flush
 from .layers import NamedLayer, no_layer_message
+from .sharding import FullParameters
 from .trust import variance_error_bound
 
 Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -68,6 +69,7 @@ class BNPass:
             for n, m in self.layers
         ]
         self._attached: List[Tuple[CallCapture, nn.Module]] = []
+        self.sharding = FullParameters(model)
         self._saved: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._finished = False
 
@@ -109,6 +111,7 @@ class BNPass:
                 for capture, (_, module) in zip(self.captures, self.layers):
                     self._attached.append((capture, module))
                     capture.attach(module)
+            self.sharding.gather()  # a collective, so outside the section: a signal can still stop a wait
             return self
         except BaseException:
             self.restore()
@@ -164,6 +167,7 @@ class BNPass:
                 capture, module = self._attached[-1]
                 capture.detach(module)
                 self._attached.pop()
+            self.sharding.restore()
             self._restore_buffers()
 
     def _restore_buffers(self) -> None:

@@ -33,6 +33,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+#: Wrappers PyTorch puts between a module and its children (FSDP1, activation checkpointing):
+#: left out of layer names, so that the names are the user's.
+WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def user_name(name: str) -> str:
+    """``name`` without the wrappers' parts: ``_fsdp_wrapped_module.layer1.0.bn1`` is ``layer1.0.bn1``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
+def named_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``model.named_modules()`` under the user's names (see :func:`user_name`)."""
+    return [(user_name(name), module) for name, module in model.named_modules()]
+
+
 def is_tracking_bn(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm) and module.track_running_stats
 
@@ -58,8 +73,8 @@ def _check(name: str, module: _BatchNorm) -> None:
 
 
 def _by_spec(model: nn.Module, layers: LayerSpec) -> List[NamedLayer]:
-    by_name = dict(model.named_modules())
-    ids = {id(m): n for n, m in model.named_modules()}
+    by_name = dict(named_modules(model))
+    ids = {id(m): n for n, m in named_modules(model)}
     chosen: List[NamedLayer] = []
     for item in layers or ():
         if isinstance(item, str):
@@ -88,7 +103,7 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
     :class:`LayerError` for a lazy layer not yet materialised, or one whose ``forward`` was
     replaced on the instance.
     """
-    named = [(name, m) for name, m in model.named_modules() if is_tracking_bn(m)]
+    named = [(name, m) for name, m in named_modules(model) if is_tracking_bn(m)]
     if layers is None:
         chosen = [(n, m) for n, m in named if m.training]
         if not chosen and named and not model.training:

@@ -1,0 +1,92 @@
+"""Sharded models (FSDP1, FSDP2 ``fully_shard``): the full parameters gathered once for a pass.
+
+Why: an FSDP forward all-gathers its unit's parameters and frees them after. In a pass whose
+ranks hold different numbers of batches, a rank whose data ended stops issuing those
+collectives while the others still do, and they are left waiting for a partner that never
+comes. Gathering every unit's full parameters once, before the first batch (every rank at the
+same point, in the same module order), and running the forwards without FSDP's per-forward
+collectives makes each rank's forwards purely local, however many there are:
+
+* FSDP2: every ``FSDPModule`` is unsharded (``unshard()``) with resharding after forward off;
+  afterwards the resharding setting is put back and the modules that were sharded are
+  resharded;
+* FSDP1: ``FullyShardedDataParallel.summon_full_params(writeback=False)`` over the model, and
+  each FSDP1 wrapper forwards straight to the module it wraps (its own forward would gather
+  and free again); leaving the summon frees the full parameters.
+
+:meth:`FullParameters.restore` undoes whatever :meth:`FullParameters.gather` did, in reverse,
+and may be called again (a pass that fails restores the sharding too). The parameters'
+values are never changed; memory grows to the full parameters for the length of the pass.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+from torch import nn
+
+
+def _fsdp1() -> Any:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch without FSDP
+        return None
+    return FullyShardedDataParallel
+
+
+def _fsdp2() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch before FSDP2
+        return None
+    return FSDPModule
+
+
+class FullParameters:
+    """The full parameters of every FSDP unit of ``model`` while gathered (a no-op without FSDP)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._undo: List[Callable[[], None]] = []
+
+    def gather(self) -> None:
+        """All-gather every unit's parameters once (a collective: every rank calls it at the
+        same point) and make the forwards local."""
+        fsdp2 = _fsdp2()
+        if fsdp2 is not None:
+            for module in self.model.modules():
+                if isinstance(module, fsdp2):
+                    self._unshard2(module)
+        fsdp1 = _fsdp1()
+        wrappers = [m for m in self.model.modules() if fsdp1 is not None and isinstance(m, fsdp1)]
+        if wrappers:
+            summon = fsdp1.summon_full_params(self.model, writeback=False, recurse=True)
+            summon.__enter__()
+            self._undo.append(lambda: summon.__exit__(None, None, None))
+            for wrapper in wrappers:
+                self._forward_inner(wrapper)
+
+    def _unshard2(self, module: Any) -> None:
+        state = module._get_fsdp_state()
+        groups = [(group, group.post_forward_mesh_info, group.is_sharded) for group in state._fsdp_param_groups]
+        auto = state._auto_reshard_after_forward
+
+        def undo() -> None:
+            state._auto_reshard_after_forward = auto
+            for group, mesh_info, _ in groups:
+                group.post_forward_mesh_info = mesh_info
+            if any(sharded for _, _, sharded in groups):
+                module.reshard()
+
+        self._undo.append(undo)
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+
+    def _forward_inner(self, wrapper: nn.Module) -> None:
+        wrapper.__dict__["forward"] = wrapper._fsdp_wrapped_module.forward
+        self._undo.append(lambda: wrapper.__dict__.pop("forward", None))
+
+    def restore(self) -> None:
+        """Put the sharding back as it was (idempotent); frees the gathered parameters."""
+        while self._undo:
+            self._undo[-1]()
+            self._undo.pop()

@@ -1,0 +1,113 @@
+"""The merge sliced by channel: which rank merges which channels, and the packing on the way.
+
+Why: gathering every rank's whole statistics makes each rank receive and merge W times its
+payload (``3 + 12 C`` float64 per layer of ``C`` channels). Every quantity of a
+:class:`~precise_bn.estimator.PopulationStats` but the three layer-wide counts is per channel,
+and its merge is elementwise; so the concatenated channels of all layers are cut into W
+contiguous slices, rank ``r`` receives every rank's part of slice ``r`` and merges them in rank
+order (the very operations one process merging the whole union in rank order performs on those
+channels), and the merged slices are then gathered. Each rank receives about twice its payload,
+whatever W.
+
+A slice crosses layer boundaries: it is a list of segments ``(layer, lo, hi)``; a segment
+travels as a packed state of its own (the layer's three counts, then the 12 per-channel rows
+cut to ``lo:hi``). Pure functions, with no collective, so a test can play all ranks in one
+process.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Sequence
+
+import torch
+
+from .estimator import PopulationStats
+
+_ROWS = 12  # per-channel rows of a packed state: mean, M2, centre, u (3), cov (6)
+
+
+class Segment(NamedTuple):
+    """Channels ``lo:hi`` of layer ``layer``."""
+
+    layer: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return 3 + _ROWS * (self.hi - self.lo)
+
+
+def plan(widths: Sequence[int], world: int) -> List[List[Segment]]:
+    """Each rank's slice of the concatenated channels of layers of ``widths`` channels.
+
+    Slices are contiguous, in rank order, and differ in width by one channel at most.
+    """
+    total = sum(widths)
+    bounds = [total * rank // world for rank in range(world + 1)]
+    slices: List[List[Segment]] = []
+    for rank in range(world):
+        lo, hi = bounds[rank], bounds[rank + 1]
+        segments, start = [], 0
+        for layer, width in enumerate(widths):
+            if start < hi and lo < start + width:
+                segments.append(Segment(layer, max(lo, start) - start, min(hi, start + width) - start))
+            start += width
+        slices.append(segments)
+    return slices
+
+
+def chunk_size(slices: Sequence[Sequence[Segment]]) -> int:
+    """The float64 length every rank's chunk is padded to (collectives want equal sizes)."""
+    return max(sum(seg.size for seg in segments) for segments in slices)
+
+
+def cut(state: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Channels ``lo:hi`` of a packed :meth:`PopulationStats.state`, packed the same way."""
+    channels = (state.numel() - 3) // _ROWS
+    return torch.cat([state[:3], state[3:].view(_ROWS, channels)[:, lo:hi].reshape(-1)])
+
+
+def pack(states: Sequence[torch.Tensor], segments: Sequence[Segment], size: int) -> torch.Tensor:
+    """The segments of the layers' packed ``states`` one after the other, zero-padded to ``size``."""
+    out = torch.zeros(size, dtype=torch.float64)
+    offset = 0
+    for seg in segments:
+        out[offset: offset + seg.size] = cut(states[seg.layer], seg.lo, seg.hi)
+        offset += seg.size
+    return out
+
+
+def unpack(chunk: torch.Tensor, segments: Sequence[Segment]) -> List[torch.Tensor]:
+    """Inverse of :func:`pack`: one packed state per segment."""
+    states, offset = [], 0
+    for seg in segments:
+        states.append(chunk[offset: offset + seg.size])
+        offset += seg.size
+    return states
+
+
+def merge_in_rank_order(chunks: Sequence[torch.Tensor], segments: Sequence[Segment],
+                        names: Sequence[str]) -> List[PopulationStats]:
+    """Every rank's part of one slice (``chunks[rank]``), merged in rank order per segment."""
+    parts = [unpack(chunk, segments) for chunk in chunks]
+    merged = []
+    for index, seg in enumerate(segments):
+        total = PopulationStats(seg.hi - seg.lo, name=names[seg.layer], device=torch.device("cpu"))
+        for rank_parts in parts:
+            total.merge(PopulationStats.from_state(rank_parts[index], name=names[seg.layer]))
+        merged.append(total)
+    return merged
+
+
+def join(merged_chunks: Sequence[torch.Tensor], slices: Sequence[Sequence[Segment]],
+         names: Sequence[str]) -> List[PopulationStats]:
+    """Whole layers from every rank's merged slice (``merged_chunks[rank]``, packed)."""
+    heads: List[torch.Tensor] = [torch.zeros(0)] * len(names)
+    rows: List[List[torch.Tensor]] = [[] for _ in names]
+    for chunk, segments in zip(merged_chunks, slices):
+        for seg, state in zip(segments, unpack(chunk, segments)):
+            if not rows[seg.layer]:
+                heads[seg.layer] = state[:3]
+            rows[seg.layer].append(state[3:].view(_ROWS, seg.hi - seg.lo))
+    return [PopulationStats.from_state(torch.cat([head, torch.cat(parts, dim=1).reshape(-1)]), name=name)
+            for head, parts, name in zip(heads, rows, names)]
