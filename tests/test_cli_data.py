@@ -185,7 +185,7 @@ def test_unrecognised_batches_are_one_line_and_input_key_or_forward_fn_fix_them(
     assert "'image': Tensor[6, 3, 8, 8] float32" in lines[0] and "--input-key KEY" in lines[0]
     for extra in (["--input-key", "image"], ["--forward-fn", "cli_factories:image_forward"]):
         out = tmp_path / "out.pt"
-        assert run_cli(capsys, *base, *extra, "--output", out).returncode == 0
+        assert run_cli(capsys, *base, *extra, "--output", out, "--overwrite").returncode == 0
         _check_stats(load(out)["model"], net, [(b["image"], b["label"]) for b in dict_batches()])
 
 

@@ -46,7 +46,7 @@ def test_a_file_size_limit_during_the_save_is_one_line_and_leaves_nothing(ckpt, 
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # smaller than the checkpoint: EFBIG
     try:
-        result = run_cli(capsys, "recompute", path, *FACTORIES, "--output", out, "-q", *TRUST)
+        result = run_cli(capsys, "recompute", path, *FACTORIES, "--output", out, "--overwrite", "-q", *TRUST)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     line = _one_line_error(result)

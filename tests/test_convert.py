@@ -127,10 +127,26 @@ def test_a_hard_linked_output_is_refused_unless_break_hardlinks(tmp_path, capsys
     save_caffe2_pickle(nl_video_blobs(), src)
     other.write_bytes(b"previous result")
     os.link(other, out)
-    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped"]) == 1
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite"]) == 1
     line = capsys.readouterr().err.strip()
     assert "2 hard links" in line and "--break-hardlinks" in line and len(line.splitlines()) == 1
     assert out.read_bytes() == b"previous result"
-    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--break-hardlinks"]) == 0
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite", "--break-hardlinks"]) == 0
     assert other.read_bytes() == b"previous result" and out.stat().st_nlink == 1
+    assert "nonlocal_conv3_1_bn_rm" in load(out)
+
+
+def test_an_existing_out_is_refused_unless_overwrite_and_python_callers_get_the_keyword(tmp_path, capsys):
+    src, out = tmp_path / "nl.pkl", tmp_path / "nl.pt"
+    save_caffe2_pickle(nl_video_blobs(), src)
+    out.write_bytes(b"previous result")
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped"]) == 1
+    assert capsys.readouterr().err.strip() == "precise-bn: error: the output {}: the file exists; pass --overwrite " \
+                                              "to replace it, or choose another name".format(out)
+    with pytest.raises(CheckpointError) as caught:
+        convert_checkpoint(str(src), str(out), unmapped="keep")
+    assert [(f.option, f.value) for f in caught.value.fixes] == [("overwrite", True)]
+    assert "overwrite=True" in str(caught.value) and "--" not in str(caught.value).replace(str(out), "")
+    assert out.read_bytes() == b"previous result"
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite"]) == 0
     assert "nonlocal_conv3_1_bn_rm" in load(out)

@@ -107,3 +107,12 @@ def test_modules_and_functions_stay_small():
                 if length > MAX_FUNCTION_LINES:
                     too_long.append("{}.{}: {} lines".format(name, node.name, length))
     assert not too_long, "\n".join(too_long)
+
+
+def test_no_module_shadows_the_standard_library():
+    """A sibling's ``import inspect`` must get the standard library's, not ours."""
+    import sys
+
+    stdlib = getattr(sys, "stdlib_module_names", {"inspect", "json", "logging", "os", "signal", "types", "typing"})
+    shadowing = [name for name in _modules() if name and name.split(".")[-1] in stdlib]
+    assert not shadowing, shadowing

@@ -9,7 +9,6 @@ model still works.
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -45,23 +44,6 @@ class Checkpoint:
     legacy_format: bool = False
     source_names: Dict[str, str] = field(default_factory=dict)
     updated: List[str] = field(default_factory=list)
-
-    @property
-    def provenance(self) -> Any:
-        """The ``precise_bn`` entry a previous recompute left, as stored (None when absent).
-
-        Files come from anywhere, so nothing is assumed of it: a safetensors entry that is not
-        JSON comes back as its text, a ``torch.save`` one as whatever object it is.
-        """
-        if self.format == "safetensors" and PROVENANCE_KEY in self.metadata:
-            text = self.metadata[PROVENANCE_KEY]
-            try:
-                return json.loads(text)
-            except ValueError:
-                return text
-        if self.format == "torch" and self.where and isinstance(self.root, Mapping):
-            return self.root.get(PROVENANCE_KEY)
-        return None
 
     def describe(self) -> str:
         place = "under " + "/".join(repr(k) for k in self.where) if self.where else "at the top level"

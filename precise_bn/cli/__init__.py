@@ -28,7 +28,7 @@ from .. import distributed
 from ..atomic import Terminated, exit_on_terminate
 from ..data import input_key_forward
 from ..options import ForwardFn, Options
-from . import convert, inspect
+from . import convert, show
 from .demo import run_demo
 from .failures import one_line
 from .job import recompute_checkpoint
@@ -58,8 +58,9 @@ def _recompute(args: argparse.Namespace) -> None:
         report, _ = recompute_checkpoint(
             args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
             batch_size=args.batch_size, seed=args.seed, augment=args.augment, output=args.output,
-            in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks, key=args.key,
-            prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=inspect.rules_of(args), **options)
+            in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks,
+            overwrite=args.overwrite, key=args.key,
+            prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=show.rules_of(args), **options)
         if distributed.is_main_process():
             print(report)
             print(legend(list(COLUMNS)))
@@ -114,7 +115,7 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
     logger.warning("%s: %s", category.__name__, message)
 
 
-COMMANDS = {"recompute": _recompute, "inspect": inspect.run, "convert": convert.run, "demo": _demo}
+COMMANDS = {"recompute": _recompute, "inspect": show.run, "convert": convert.run, "demo": _demo}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

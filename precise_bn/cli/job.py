@@ -20,8 +20,11 @@ from torch import nn
 
 from .. import distributed
 from ..api import recalibrate
-from ..checkpoint.formats import load_checkpoint, provenance, save_checkpoint, set_provenance, write_file
+from ..checkpoint.formats import load_checkpoint, save_checkpoint
+
 from ..checkpoint.paths import check_paths
+from ..checkpoint.provenance import provenance, set_provenance
+from ..checkpoint.serializers import write_file
 from ..checkpoint.state import Checkpoint, apply_bn_stats, bn_stats_of, load_into_model, match_model
 from ..distributed import ACTIVE, Ranks
 from ..errors import ConfigError, LayerError, PreciseBNError
@@ -99,6 +102,7 @@ def recompute_checkpoint(
     in_place: bool = False,
     report_path: Optional[str] = None,
     break_hardlinks: bool = False,
+    overwrite: bool = False,
     key: Optional[str] = None,
     prefix: Optional[str] = None,
     trust: bool = False,
@@ -114,8 +118,9 @@ def recompute_checkpoint(
     those of :func:`precise_bn.recompute`; without a budget (``num_batches``, ``num_samples``,
     ``rtol``), 200 batches as in fvcore. ``output`` defaults to :func:`default_output`;
     ``in_place`` replaces the input (through a symbolic link, its target). Every output is
-    checked before any work (see :mod:`precise_bn.checkpoint.paths`; ``break_hardlinks``
-    allows replacing a file that has other hard links). Only BN ``running_mean``/``running_var``
+    checked before any work (see :mod:`precise_bn.checkpoint.paths`): an existing file is
+    replaced only with ``overwrite`` (``in_place`` replaces the input), one with other hard
+    links only with ``break_hardlinks`` too. Only BN ``running_mean``/``running_var``
     change in the file written (see :mod:`precise_bn.checkpoint.formats`).
     """
     opts = Options.build("recompute_checkpoint", **options)
@@ -127,7 +132,7 @@ def recompute_checkpoint(
     targets: List[str] = []
     with _together(opts.timeout):
         if distributed.is_main_process():
-            targets = _check_outputs(checkpoint, data, out, report_path, in_place, break_hardlinks)
+            targets = _check_outputs(checkpoint, data, out, report_path, in_place, break_hardlinks, overwrite)
         ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
         logger.info("%s", ckpt.describe())
         net, prefix = _load_model(ckpt, model, model_kwargs, prefix)
@@ -160,13 +165,13 @@ def _write(ckpt: Checkpoint, net: nn.Module, prefix: str, report: BNReport, targ
 
 
 def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], out: str, report_path: Optional[str],
-                   in_place: bool, break_hardlinks: bool) -> List[str]:
+                   in_place: bool, break_hardlinks: bool, overwrite: bool) -> List[str]:
     """The checkpoint and report files to write, checked against the inputs (see
     :func:`~precise_bn.checkpoint.paths.check_paths`)."""
     read = data_files(data) if isinstance(data, str) else []
     inputs = [("the checkpoint", checkpoint)] + [("--data", f) for f in read]
     outputs = [("--in-place" if in_place else "--output", out)] + ([("--report", report_path)] if report_path else [])
-    return check_paths(inputs, outputs, in_place=in_place, break_hardlinks=break_hardlinks)
+    return check_paths(inputs, outputs, in_place=in_place, break_hardlinks=break_hardlinks, overwrite=overwrite)
 
 
 def write_report(path: str, report: BNReport, ckpt: Checkpoint, output: str, prefix: str) -> None:

@@ -57,6 +57,8 @@ def _add_loading(p: argparse.ArgumentParser) -> None:
 
 
 def _add_writing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace output files that exist already (refused by default: they may hold work)")
     p.add_argument("--break-hardlinks", action="store_true",
                    help="replace an output file that has other hard links (the other names keep the old "
                    "content); refused by default")
