@@ -21,19 +21,18 @@ from torch import nn
 from .. import distributed
 from ..api import recalibrate
 from ..checkpoint.formats import load_checkpoint, save_checkpoint
-
 from ..checkpoint.paths import check_paths
 from ..checkpoint.provenance import provenance, set_provenance
 from ..checkpoint.serializers import write_file
 from ..checkpoint.state import Checkpoint, apply_bn_stats, bn_stats_of, load_into_model, match_model
 from ..distributed import ACTIVE, Ranks
-from ..errors import ConfigError, LayerError, PreciseBNError
+from ..errors import CheckpointError, ConfigError, Fix, LayerError, PreciseBNError
 from ..options import Options
 from ..pytorch.layers import no_layer_message, select_layers
 from ..report import BNReport
 from .data_specs import data_files, resolve_data
 from .failures import BlamedBatches, blame, blamed_on, raised_in_package
-from .specs import resolve_model
+from .specs import build_on_meta, resolve_model, same_family
 
 logger = logging.getLogger("precise_bn")
 
@@ -67,13 +66,44 @@ def _load_model(ckpt: Checkpoint, model: Union[str, nn.Module], model_kwargs: Op
     """The model with the checkpoint's tensors in it, and the key prefix they sit under."""
     with blamed_on(_label(model, "--model")):
         net = model if isinstance(model, nn.Module) else resolve_model(model, model_kwargs)
-    prefix = match_model(ckpt, net.state_dict(), prefix)
+    try:
+        prefix = match_model(ckpt, net.state_dict(), prefix)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.message, *_model_fixes(exc, ckpt, model, model_kwargs or {}, prefix)) from exc
     if prefix:
         logger.info("the model's keys sit under the prefix %r", prefix)
     load_into_model(net, ckpt, prefix)
     if not select_layers(net):
         raise LayerError("nothing to recompute in {}: {}".format(ckpt.path, no_layer_message(net)))
     return net, prefix
+
+
+def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Module],
+                 model_kwargs: Mapping[str, Any], prefix: Optional[str]) -> List[Fix]:
+    """``exc``'s fixes (a ``model_kwargs`` one keeping the kwargs given); when they do not
+    already fix it, up to three other models of ``model``'s family whose keys and shapes match
+    the checkpoint, perhaps once given the checkpoint's number of classes."""
+    fixes = [Fix(f.option, dict(model_kwargs, **f.value), f.why) if f.option == "model_kwargs" else f
+             for f in exc.fixes]
+    search = isinstance(model, str) and not fixes
+    for spec in same_family(model) if search else []:
+        if sum(f.option == "model" for f in fixes) == 3:
+            break
+        net = build_on_meta(spec, model_kwargs)
+        if net is None:
+            continue
+        try:
+            match_model(ckpt, net.state_dict(), prefix)
+        except CheckpointError as other:
+            head = [f for f in other.fixes if f.option == "model_kwargs"]
+            if head and not any(f.option == "prefix" for f in other.fixes):
+                fixes.append(Fix("model", spec, "(with {}, its keys and shapes match the checkpoint)".format(
+                    ", ".join("{}={}".format(k, v) for k, v in head[0].value.items()))))
+                if not any(f.option == "model_kwargs" for f in fixes):
+                    fixes.append(Fix("model_kwargs", dict(model_kwargs, **head[0].value), "(with that model)"))
+            continue
+        fixes.append(Fix("model", spec, "(its keys and shapes match the checkpoint)"))
+    return fixes
 
 
 def _measure(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
