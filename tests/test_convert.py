@@ -150,3 +150,32 @@ def test_an_existing_out_is_refused_unless_overwrite_and_python_callers_get_the_
     assert out.read_bytes() == b"previous result"
     assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite"]) == 0
     assert "nonlocal_conv3_1_bn_rm" in load(out)
+
+
+def test_a_wrapper_prefix_left_in_the_keys_is_pointed_out_with_strip_prefix(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from cli_factories import small_net
+
+    src = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"model." + k: v for k, v in small_net().state_dict().items()}, "epoch": 1}, str(src))
+    assert main(["convert", str(src), str(tmp_path / "a.safetensors"), "-q", *TRUST]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "  hint: pass --strip-prefix model. (every key starts with 'model.', the prefix " \
+                                   "a wrapper adds)"
+    assert main(["convert", str(src), str(tmp_path / "b.safetensors"), "--strip-prefix", "model.", "-q", *TRUST]) == 0
+    assert "hint" not in capsys.readouterr().out
+
+
+def test_torch_to_caffe2_failing_on_a_wrapper_prefix_names_strip_prefix(tmp_path, capsys):
+    from cli_factories import caffe2_style_net
+
+    src = tmp_path / "ddp.pt"
+    torch.save({"module." + k: v for k, v in caffe2_style_net().state_dict().items()}, str(src))
+    assert main(["convert", str(src), str(tmp_path / "out.pkl"), "-q", *TRUST]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("; pass --strip-prefix module. (every key starts with 'module.', the prefix a wrapper adds)")
+    assert not (tmp_path / "out.pkl").exists()
+    assert main(["convert", str(src), str(tmp_path / "out.pkl"), "-q", "--keep-unmapped", "--strip-prefix", "module.",
+                 *TRUST]) == 0, capsys.readouterr().err
+    blobs = load_caffe2_pickle(tmp_path / "out.pkl")
+    assert "conv1_w" in blobs and not any(name.startswith("module") for name in blobs)

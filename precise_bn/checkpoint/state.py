@@ -155,6 +155,22 @@ def prefix_counts(keys: Iterable[str], targets: Iterable[str]) -> "collections.C
     return counts
 
 
+#: Prefixes a wrapper adds to every key: ``module.`` (DDP, DataParallel), ``model.`` (a
+#: LightningModule's attribute), ``_orig_mod.`` (``torch.compile``).
+WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.")
+
+
+def wrapper_prefix(keys: Iterable[str]) -> str:
+    """The wrapper prefixes every key starts with (several nest: ``model.module.``), or ``""``."""
+    names, prefix = list(keys), ""
+    while names:
+        found = [p for p in WRAPPER_PREFIXES if all(k.startswith(prefix + p) for k in names)]
+        if not found:
+            break
+        prefix += found[0]
+    return prefix
+
+
 def _sample(names: List[str], limit: int = 12) -> str:
     return ", ".join(names[:limit]) + (" ... ({} more)".format(len(names) - limit) if len(names) > limit else "")
 

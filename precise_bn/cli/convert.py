@@ -15,7 +15,9 @@ from ..caffe2.checkpoint import read_caffe2_pickle
 from ..caffe2.names import ConversionReport, caffe2_to_torch
 from ..checkpoint.formats import check_key, detect_format, format_of, load_checkpoint, save_state_dict
 from ..checkpoint.paths import check_output
-from ..errors import CheckpointError, ConfigError
+from ..checkpoint.state import wrapper_prefix
+from ..errors import CheckpointError, ConfigError, Fix
+from .failures import as_flag
 from .show import rules_of
 
 
@@ -51,10 +53,21 @@ def convert_checkpoint(input: str, output: str, *, rules: Any = None, unmapped: 
         state = load_checkpoint(input, key=key, trust=trust).state_dict
         report = ConversionReport(mapped={name: name for name in state})
     if strip_prefix and not all(k.startswith(strip_prefix) for k in state):
-        raise CheckpointError("{}: not every key starts with --strip-prefix {!r}".format(input, strip_prefix))
+        raise CheckpointError("{}: not every key starts with the prefix to strip, {!r}".format(input, strip_prefix))
     state = {k[len(strip_prefix):]: v for k, v in state.items()}
-    written = save_state_dict(state, output, fmt_out, rules, unmapped)
+    report.mapped = {source: name[len(strip_prefix):] for source, name in report.mapped.items()}
+    try:
+        written = save_state_dict(state, output, fmt_out, rules, unmapped)
+    except CheckpointError as exc:
+        leftover = wrapper_prefix(state)
+        if not leftover:
+            raise
+        raise CheckpointError(exc.message, *exc.fixes, _strip(strip_prefix + leftover)) from exc
     return written if written is not None else report
+
+
+def _strip(prefix: str) -> Fix:
+    return Fix("strip_prefix", prefix, "(every key starts with {!r}, the prefix a wrapper adds)".format(prefix))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -69,3 +82,6 @@ def run(args: argparse.Namespace) -> None:
                          ("left out, not model state", report.skipped)):
         if names:
             print("  {} {}: {}".format(len(names), title, ", ".join(names)))
+    leftover = wrapper_prefix(report.mapped.values()) if detect_format(args.output) != "caffe2" else ""
+    if leftover:
+        print("  hint: pass {} {}".format(as_flag(_strip(args.strip_prefix + leftover)), _strip(leftover).why))
