@@ -24,7 +24,6 @@ from .failures import one_line
 from .job import recompute_checkpoint
 from .parser import parse
 from .specs import load_callable
-from .tables import COLUMNS, legend
 
 logger = logging.getLogger("precise_bn")
 
@@ -53,7 +52,6 @@ def _recompute(args: argparse.Namespace) -> None:
             prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=show.rules_of(args), **options)
         if distributed.is_main_process():
             print(report)
-            print(legend(list(COLUMNS)))
     finally:
         if joined:
             torch.distributed.destroy_process_group()
