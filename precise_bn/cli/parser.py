@@ -67,7 +67,8 @@ def _add_writing(p: argparse.ArgumentParser) -> None:
 
 DATA_HELP = (
     "package.module:callable (returns an iterable of batches), imagefolder:DIR or npz:FILE[:KEY]. "
-    "imagefolder: reads DIR/CLASS/IMAGE files; each image is resized to size/{:g} on its shorter side, "
+    "imagefolder: reads DIR/CLASS/IMAGE files, or the images directly in DIR when it has no subfolder; "
+    "each image is resized to size/{:g} on its shorter side, "
     "centre-cropped to size (224; --data-kwargs '{{\"size\": 160}}') and normalised with ImageNet's mean and "
     "std: no random transform, so a rerun reads the same pixels".format(CROP_FRACTION)
 )
