@@ -199,17 +199,18 @@ def test_ctrl_c_while_the_package_is_still_importing_is_one_line_and_130(capsys,
     import importlib.abc
     import sys
 
-    from precise_bn.cli import main
+    from precise_bn.__main__ import main  # the console script's entry point
 
     class Interrupted(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "precise_bn.cli.command":
+            if name == "precise_bn.cli":
                 raise KeyboardInterrupt  # as Ctrl-C would, in the middle of ``import torch``
             return None
 
-    monkeypatch.delitem(sys.modules, "precise_bn.cli.command")
+    monkeypatch.delitem(sys.modules, "precise_bn.cli")
     monkeypatch.setattr(sys, "meta_path", [Interrupted()] + sys.meta_path)
-    assert main(["inspect", "x.pt"]) == 130
+    monkeypatch.setattr(sys, "argv", ["precise-bn", "inspect", "x.pt"])
+    assert main() == 130
     out, err = capsys.readouterr()
     assert out == "" and err == "precise-bn: interrupted\n"
 
