@@ -29,7 +29,6 @@ from ..checkpoint.formats import SAFE_LOAD_AVAILABLE
 from ..errors import BackendUnavailableError
 from ..report import BNReport
 from .job import recompute_checkpoint
-from .tables import COLUMNS, legend
 
 DEFAULT_STEPS = 300
 BATCH_SIZE = 32
@@ -181,12 +180,12 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
             # The demo wrote this file a moment ago; a torch without weights_only needs the flag.
             trust=not SAFE_LOAD_AVAILABLE,
             progress=progress,
+            overwrite=True,  # the output of an earlier demo in the same --workdir
         )
         ema_accuracy, ema_loss = evaluate(_load(checkpoint), test_x, test_y)
         precise_accuracy, precise_loss = evaluate(_load(output), test_x, test_y)
     result = DemoResult(ema_accuracy, ema_loss, precise_accuracy, precise_loss, report, time.perf_counter() - started)
     print(report)
-    print(legend(list(COLUMNS)))
     print("held-out accuracy with the EMA running stats: {:6.2%} (loss {:.4f})".format(ema_accuracy, ema_loss))
     print("held-out accuracy with the precise stats:     {:6.2%} (loss {:.4f})".format(precise_accuracy, precise_loss))
     print("total {:.1f} s".format(result.seconds))

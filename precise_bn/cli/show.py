@@ -15,9 +15,9 @@ from ..checkpoint.provenance import provenance_of
 from ..checkpoint.serializers import write_file
 from ..checkpoint.state import Checkpoint, bn_layers, prefix_counts
 from ..errors import BackendUnavailableError, ConfigError
-from ..report import LayerReport
+from ..report import LayerReport, legend
 from .specs import load_object
-from .tables import counted, legend, table
+from .tables import counted, table
 
 
 def rules_of(args: argparse.Namespace) -> Any:

@@ -1,9 +1,8 @@
-"""Text the commands print: aligned tables, counted nouns, and what each reported number means."""
+"""Text the commands print: aligned tables and counted nouns (what each reported number means is
+:func:`precise_bn.report.legend`)."""
 from __future__ import annotations
 
 from typing import List, Sequence
-
-from ..report import COLUMNS, legend  # noqa: F401  (defined with the report, which prints them; importable here too)
 
 
 def counted(count: int, noun: str) -> str:
