@@ -76,3 +76,4 @@ def test_another_architecture_is_named_when_its_keys_and_shapes_match(tmp_path, 
     fixes = _fixes(capsys, path, "--model", "torchvision:resnet34", *DATA)
     assert fixes == ["--model torchvision:resnet18 (with num_classes=4, its keys and shapes match the checkpoint)",
                      "--model-kwargs '{\"num_classes\": 4}' (with that model)"]
+

@@ -187,12 +187,11 @@ class TorchFormat(Format):
 
 #: Every format, in the order they are tried: the first that claims a file reads it.
 FORMATS: Tuple[Format, ...] = (SafetensorsFormat(), Caffe2Format(), TorchFormat())
-_BY_NAME = {fmt.name: fmt for fmt in FORMATS}
 
 
 def format_named(name: str) -> Format:
     """The format a :class:`Checkpoint` names in its ``format``."""
-    return _BY_NAME[name]
+    return next(fmt for fmt in FORMATS if fmt.name == name)
 
 
 def format_of(path: str) -> Format:
