@@ -6,8 +6,10 @@
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .api import recompute, update_bn, update_bn_stats
 from .errors import (
     BackendUnavailableError,
     BatchError,
@@ -21,12 +23,36 @@ from .errors import (
     PreciseBNWarning,
     UnsafeCheckpointError,
 )
-from .estimator import PopulationStats
-from .helper import BatchNormHelper
-from .hooks import PreciseBNHook
-from .options import Options
-from .pytorch.layers import get_bn_modules, select_layers
-from .report import BNReport, LayerReport
+
+#: Names imported on first use, by module: ``import precise_bn`` (and so the ``precise-bn``
+#: command's start) does not wait for torch until something needs it.
+_LAZY = {
+    "recompute": ".api", "update_bn": ".api", "update_bn_stats": ".api",
+    "PopulationStats": ".estimator", "BatchNormHelper": ".helper", "PreciseBNHook": ".hooks",
+    "Options": ".options", "get_bn_modules": ".pytorch.layers", "select_layers": ".pytorch.layers",
+    "BNReport": ".report", "LayerReport": ".report",
+}
+
+if TYPE_CHECKING:
+    from .api import recompute, update_bn, update_bn_stats
+    from .estimator import PopulationStats
+    from .helper import BatchNormHelper
+    from .hooks import PreciseBNHook
+    from .options import Options
+    from .pytorch.layers import get_bn_modules, select_layers
+    from .report import BNReport, LayerReport
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError("module 'precise_bn' has no attribute {!r}".format(name))
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> Any:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "BNReport",

@@ -109,6 +109,21 @@ def planned_batches(data: Iterable[Any], num_batches: Optional[int]) -> Optional
     return num_batches if length is None else min(num_batches, length)
 
 
+def batches_for_samples(done: int, samples: int, num_samples: int, cap: Optional[int]) -> Optional[int]:
+    """How many batches a ``num_samples`` budget reads in all, once ``done`` batches held
+    ``samples``: a batch is never cut, so the last one takes the count past the budget (60
+    samples in batches of 16 read 4 batches, 64 samples); the batches to come are taken to be
+    as large as those so far, on average. ``cap``: a limit known beforehand (the data's length,
+    a batch budget). None while nothing tells."""
+    if samples >= num_samples:
+        total: Optional[int] = done
+    elif samples > 0:
+        total = done + -(-(num_samples - samples) * done // samples)  # ceiling division, in integers
+    else:
+        total = None
+    return cap if total is None else total if cap is None else min(total, cap)
+
+
 class CyclingBatches:
     """An endless iterator over a finite iterable that starts a new pass when one runs out.
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Opti
 
 import torch
 
-from .data import planned_batches
+from .data import batches_for_samples, planned_batches
 from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
 from .errors import EmptyDataError, NonFiniteStatsError, warn
 from .estimator import PopulationStats
@@ -122,22 +122,21 @@ def precise_enough(stats: Sequence[PopulationStats], rtol: float, unbiased: bool
 
 
 class _Progress:
-    """A tqdm bar on stderr (when asked, or by default when stderr is a terminal) whose total
-    is what the pass will really read, and ``log_period`` lines when there is no bar."""
+    """A tqdm bar on stderr (when asked, or by default when stderr is a terminal) counting
+    batches, whose total is what the pass will really read (with a sample budget, estimated
+    from the batches read so far: a batch is never cut), and ``log_period`` lines when there
+    is no bar."""
 
     def __init__(self, opts: Options, planned: Optional[int], label: str):
-        self.label = label
+        self.label, self.planned, self.num_samples = label, planned, opts.num_samples
         show = opts.progress if opts.progress is not None else sys.stderr.isatty()
-        self.by_samples = opts.num_samples is not None and (planned is None or opts.num_batches is None)
         self.bar: Any = None
         self._redirect: ContextManager[Any] = contextlib.nullcontext()
         if show:
             from tqdm.auto import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            total = opts.num_samples if self.by_samples else planned
-            self.bar = tqdm(total=total, desc=label, unit="sample" if self.by_samples else "batch",
-                            file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=planned, desc=label, unit="batch", file=sys.stderr, dynamic_ncols=True)
             self._redirect = logging_redirect_tqdm(loggers=[logger, logging.getLogger()])
             self._redirect.__enter__()
         self.log_period = None if show else opts.log_period
@@ -146,7 +145,10 @@ class _Progress:
     def update(self, batches: int, samples: int) -> None:
         """After ``batches`` batches holding ``samples`` samples in all."""
         if self.bar is not None:
-            self.bar.update(samples - self.bar.n if self.by_samples else 1)
+            if self.num_samples is not None:
+                self.bar.total = batches_for_samples(batches, samples, self.num_samples, self.planned)
+            self.bar.set_postfix_str("{} samples".format(samples), refresh=False)
+            self.bar.update(1)
         elif self.log_period and batches % self.log_period == 0:
             now = time.perf_counter()
             logger.info("%s: batch %d, %.4f s/batch", self.label, batches, (now - self.tick) / self.log_period)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any, NamedTuple, Sequence
 
 
 class PreciseBNError(Exception):
@@ -36,8 +37,40 @@ class DistributedError(PreciseBNError):
     """Another rank failed, timed out or disagrees on what is merged; no rank changed its model."""
 
 
+class Fix(NamedTuple):
+    """One way out of a :class:`CheckpointError`: call again with the keyword argument ``option``
+    set to ``value`` (``why`` says what that does). The command line shows the same advice as
+    its flag (``key`` -> ``--key``, ``trust`` -> ``--trust-checkpoint``)."""
+
+    option: str
+    value: Any
+    why: str = ""
+
+
 class CheckpointError(PreciseBNError):
-    """A checkpoint cannot be read, matched to the model, or written; the message names file and key."""
+    """A checkpoint cannot be read, matched to the model, or written; the message names file and key.
+
+    ``message`` is the problem alone; ``fixes`` the arguments that would solve it, as fields
+    (so that a caller can act on them, and the command line can name its own flags). ``str()``
+    gives both, the fixes as Python keyword arguments.
+    """
+
+    def __init__(self, message: str, *fixes: Fix):
+        super().__init__(message, *fixes)
+        self.message = message
+        self.fixes = fixes
+
+    def __str__(self) -> str:
+        return join_fixes(self.message, ["{}={!r}".format(f.option, f.value) for f in self.fixes], self.fixes)
+
+
+def join_fixes(message: str, arguments: Sequence[str], fixes: Sequence[Fix]) -> str:
+    """``message`` followed by each fix (``arguments`` spell each one's setting): after "; " on a
+    one-line message, one line each under a longer one."""
+    parts = ["pass {}{}".format(a, " " + f.why if f.why else "") for a, f in zip(arguments, fixes)]
+    if "\n" in message:
+        return "\n".join([message] + ["  likely fix: " + p for p in parts])
+    return "; ".join([message] + parts)
 
 
 class UnsafeCheckpointError(CheckpointError):

@@ -121,9 +121,32 @@ def _cell(value: Optional[float]) -> str:
     return "-" if value is None else "{:.3g}".format(value)
 
 
+#: Column titles of the printed report, and the :data:`DEFINITIONS` entry of each.
+COLUMNS = {"mean drift": "mean_drift", "var drift": "var_drift", "mean se/std": "mean_rel_stderr",
+           "var se/var": "var_rel_stderr"}
+
+#: A drift at least this large is marked in the printed report: the running mean was off by half
+#: a standard deviation or more, or the running variance by half or more, so the model was
+#: normalising with statistics that did not fit its data (after a weight change such as SWA,
+#: pruning or fine-tuning, or with data other than the one it trained on).
+LARGE_DRIFT = 0.5
+LARGE_MARK = "*"
+
+
+def legend(titles: List[str]) -> str:
+    """What the columns ``titles`` hold, one line each, indented under a table."""
+    width = max(len(t) for t in titles)
+    return "\n".join("  {:<{w}}  {}".format(t, DEFINITIONS[COLUMNS[t]], w=width) for t in titles)
+
+
+def _drift_cell(value: float) -> str:
+    return "{:.4g}{}".format(value, LARGE_MARK if value >= LARGE_DRIFT else " ")
+
+
 @dataclass
 class BNReport:
-    """The result of one recalibration; ``str(report)`` is a readable table.
+    """The result of one recalibration; ``str(report)`` is a readable table, ending with what
+    each column means (large drifts marked, see :data:`LARGE_DRIFT`).
 
     ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
     count what was read, summed over ranks.
@@ -189,9 +212,13 @@ class BNReport:
                                             "mean se/std", "var se/var", w=width)]
         for layer in self.layers:
             if layer.ran:
-                rows.append(line.format(layer.name, layer.calls, layer.elements, "{:.4g}".format(layer.mean_drift),
-                                        "{:.4g}".format(layer.var_drift), _cell(layer.mean_rel_stderr),
+                rows.append(line.format(layer.name, layer.calls, layer.elements, _drift_cell(layer.mean_drift),
+                                        _drift_cell(layer.var_drift), _cell(layer.mean_rel_stderr),
                                         _cell(layer.var_rel_stderr), w=width))
             else:
                 rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
+        rows.append(legend(list(COLUMNS)))
+        if any(layer.ran and max(layer.mean_drift, layer.var_drift) >= LARGE_DRIFT for layer in self.layers):
+            rows.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(
+                LARGE_MARK, LARGE_DRIFT))
         return "\n".join(rows)

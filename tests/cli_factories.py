@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 
-def small_net(width: int = 4, extra_layer: bool = False) -> nn.Module:
+def small_net(width: int = 4, extra_layer: bool = False, num_classes: int = 3) -> nn.Module:
     """Conv-BN-ReLU twice, pooled, then Linear-BN1d: three BN layers, a few hundred weights."""
     layers: List[nn.Module] = [
         nn.Conv2d(3, width, 3, padding=1),
@@ -21,10 +21,10 @@ def small_net(width: int = 4, extra_layer: bool = False) -> nn.Module:
         nn.Flatten(),
         nn.Linear(2 * width, 6),
         nn.BatchNorm1d(6),
-        nn.Linear(6, 3),
+        nn.Linear(6, num_classes),
     ]
     if extra_layer:
-        layers.append(nn.BatchNorm1d(3))
+        layers.append(nn.BatchNorm1d(num_classes))
     return nn.Sequential(*layers)
 
 

@@ -6,7 +6,7 @@ from typing import Any, Iterable, List, Mapping, NamedTuple, Sequence, Set, Tupl
 
 import torch
 
-from precise_bn.checkpoint.formats import SAFE_LOAD_AVAILABLE
+from precise_bn.checkpoint.serializers import SAFE_LOAD_AVAILABLE
 from precise_bn.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

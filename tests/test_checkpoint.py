@@ -18,7 +18,7 @@ import torch
 from cli_factories import batches, trained_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn import __version__
-from precise_bn.checkpoint.formats import SAFE_LOAD_AVAILABLE
+from precise_bn.checkpoint.serializers import SAFE_LOAD_AVAILABLE
 from precise_bn.cli import main
 from precise_bn.cli.data_specs import resolve_data
 from reference import assert_close_default, assert_close_exact, float64_reference
@@ -168,7 +168,7 @@ def test_npz_data_with_and_without_key(tmp_path, capsys):
     for spec in ("npz:{}".format(tmp_path / "one.npz"), "npz:{}:images".format(tmp_path / "two.npz")):
         out = tmp_path / "out.pt"
         args = ["recompute", str(tmp_path / "c.pt"), "--model", "cli_factories:small_net", "--data", spec,
-                "--batch-size", "4", "--num-samples", "22", "--output", str(out), "-q", *TRUST]
+                "--batch-size", "4", "--num-samples", "22", "--output", str(out), "--overwrite", "-q", *TRUST]
         assert main(args) == 0
         used = list(resolve_data(spec, batch_size=4))
         assert [len(b[0]) for b in used] == [4, 4, 4, 4, 4, 2]

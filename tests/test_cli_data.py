@@ -157,12 +157,41 @@ def test_a_bare_torchvision_name_suggests_the_spec():
 
 
 @pytest.mark.main_env
-def test_an_imagefolder_path_at_a_class_folder_suggests_its_parent(tmp_path):
+def test_a_flat_folder_of_images_is_read_as_it_is_and_nothing_else(ckpt, tmp_path, capsys):
+    path, net = ckpt
+    _image_folder(tmp_path / "train", classes=("calib",), per_class=5)
+    flat = tmp_path / "train" / "calib"
+    (flat / "labels.txt").write_text("not an image")
+    (flat / "notes.png.bak").write_bytes(b"nor this")
+    spec = "imagefolder:{}".format(flat)
+    used = list(resolve_data(spec, {"size": 8, "shuffle": False}, batch_size=2))
+    assert [tuple(batch.shape) for batch in used] == [(2, 3, 8, 8), (2, 3, 8, 8), (1, 3, 8, 8)]  # images, no labels
+    by_hand = [_eval_transform_by_hand(p, 8) for p in sorted(flat.glob("*.png"))]
+    got = [x for batch in used for x in batch]
+    assert len(got) == len(by_hand) == 5
+    for x, y in zip(got, by_hand):
+        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=0, atol=1e-6)
+    out = tmp_path / "out.pt"
+    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", spec, "--data-kwargs",
+                     '{"size": 8, "drop_last": true}', "--batch-size", "2", "--output", out, "-q", *TRUST)
+    assert result.returncode == 0, result.stderr
+    read = list(resolve_data(spec, {"size": 8, "drop_last": True}, batch_size=2))
+    assert sum(len(b) for b in read) == 4
+    _check_stats(load(out)["model"], net, read)
+
+
+@pytest.mark.main_env
+def test_images_beside_class_folders_are_reported_and_an_empty_folder_refused(tmp_path, caplog):
     _image_folder(tmp_path / "train")
-    with pytest.raises(ConfigError, match="holds images itself.*did you mean imagefolder:{}".format(tmp_path / "train")):
-        resolve_data("imagefolder:{}".format(tmp_path / "train" / "cat"))
+    _image_folder(tmp_path / "stray", classes=("",), per_class=1)  # one image directly in the folder
+    (tmp_path / "stray" / "0.png").rename(tmp_path / "train" / "stray.png")
+    with caplog.at_level("WARNING", logger="precise_bn"):
+        data = resolve_data("imagefolder:{}".format(tmp_path / "train"), {"size": 8}, batch_size=8)
+    assert len(data.dataset) == 6
+    assert "the 1 image(s) directly in {} are not read".format(tmp_path / "train") in caplog.text
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="has no class subfolders"):
+    (tmp_path / "empty" / "readme.txt").write_text("")
+    with pytest.raises(ConfigError, match="holds neither images .* nor class subfolders"):
         resolve_data("imagefolder:{}".format(tmp_path / "empty"))
 
 
@@ -185,7 +214,7 @@ def test_unrecognised_batches_are_one_line_and_input_key_or_forward_fn_fix_them(
     assert "'image': Tensor[6, 3, 8, 8] float32" in lines[0] and "--input-key KEY" in lines[0]
     for extra in (["--input-key", "image"], ["--forward-fn", "cli_factories:image_forward"]):
         out = tmp_path / "out.pt"
-        assert run_cli(capsys, *base, *extra, "--output", out).returncode == 0
+        assert run_cli(capsys, *base, *extra, "--output", out, "--overwrite").returncode == 0
         _check_stats(load(out)["model"], net, [(b["image"], b["label"]) for b in dict_batches()])
 
 

@@ -46,7 +46,7 @@ def test_a_file_size_limit_during_the_save_is_one_line_and_leaves_nothing(ckpt, 
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # smaller than the checkpoint: EFBIG
     try:
-        result = run_cli(capsys, "recompute", path, *FACTORIES, "--output", out, "-q", *TRUST)
+        result = run_cli(capsys, "recompute", path, *FACTORIES, "--output", out, "--overwrite", "-q", *TRUST)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     line = _one_line_error(result)
@@ -74,7 +74,9 @@ def test_cuda_without_cuda_is_refused_before_anything_runs(ckpt, capsys, monkeyp
     cli_factories.READ["batches"] = 0
     result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
                      "cli_factories:counted_batches", "--device", "cuda", *TRUST)
-    assert "device 'cuda': this machine or torch build has no CUDA device" in _one_line_error(result)
+    assert result.returncode == 2  # a usage error naming the flag
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "precise-bn recompute: error: argument --device: device 'cuda': this machine or torch build has no CUDA device")
     assert cli_factories.READ["batches"] == 0
 
 
@@ -170,3 +172,73 @@ def test_an_error_inside_precise_bn_is_one_line_with_its_place():
     line = one_line(raised.value)
     assert line.startswith("IndexError: list index out of range (raised at precise_bn/cli/tables.py:")
     assert line.endswith("; --debug shows the traceback")
+
+
+@pytest.mark.parametrize("content", [b"epoch: 12\nlr: 0.1\n", b"\x00\x01binary junk of no known kind"])
+def test_a_file_in_no_known_format_is_called_so_with_its_first_bytes(tmp_path, capsys, content):
+    path = tmp_path / "notes.pt"
+    path.write_bytes(content)
+    for command in (["recompute", path, *FACTORIES], ["inspect", path]):
+        line = _one_line_error(run_cli(capsys, *command))
+        assert line == "precise-bn: error: {}: neither a PyTorch checkpoint (a zip archive or a pickle), a pickle nor " \
+                       "a safetensors file; it begins with {!r}".format(path, content[:16])
+        assert "trust" not in line
+
+
+def test_a_safetensors_file_is_recognised_by_its_header_whatever_its_name(tmp_path, capsys):
+    safetensors = pytest.importorskip("safetensors.torch")
+    state = small_net().state_dict()
+    path = tmp_path / "model.pt"
+    path.write_bytes(safetensors.save({k: v.contiguous() for k, v in state.items()}))
+    assert detect_format(str(path)) == "safetensors" and detect_format(str(tmp_path / "new.pt")) == "torch"
+    result = run_cli(capsys, "inspect", path)
+    assert result.returncode == 0 and "safetensors checkpoint" in result.stdout, result
+
+
+def test_ctrl_c_while_the_package_is_still_importing_is_one_line_and_130(capsys, monkeypatch):
+    import importlib.abc
+    import sys
+
+    from precise_bn.__main__ import main  # the console script's entry point
+
+    class Interrupted(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "precise_bn.cli":
+                raise KeyboardInterrupt  # as Ctrl-C would, in the middle of ``import torch``
+            return None
+
+    monkeypatch.delitem(sys.modules, "precise_bn.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted()] + sys.meta_path)
+    monkeypatch.setattr(sys, "argv", ["precise-bn", "inspect", "x.pt"])
+    assert main() == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == "precise-bn: interrupted\n"
+
+
+def test_a_closed_pipe_ends_inspect_quietly_with_status_0(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    path = ckpt
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write meets EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "precise_bn", "inspect", str(path), *TRUST], stdout=write,
+                              stderr=subprocess.PIPE, timeout=600, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and done.stderr == b"", done.stderr.decode()
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--rtol", "2", "rtol must be a number in (0, 1)"), ("--rtol", "0", "rtol must be a number in (0, 1)"),
+    ("--device", "gpu7", "device 'gpu7' is not a device"), ("--min-batches", "0", "expected a positive integer"),
+    ("--timeout", "-1", "expected a positive number"), ("--rtol", "x", "invalid float value"),
+])
+def test_a_bad_option_value_is_a_usage_error_naming_the_flag(ckpt, capsys, flag, value, says):
+    cli_factories.READ["batches"] = 0
+    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:counted_batches", flag, value, *TRUST)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("precise-bn recompute: error: argument {}: ".format(flag)), last
+    assert says in last and cli_factories.READ["batches"] == 0

@@ -114,7 +114,7 @@ def test_a_file_of_another_user_is_refused_unless_root(ckpt, tmp_path, capsys, m
     (tmp_path / "c.precise_bn.pt").write_bytes(b"someone's file")
     owner = os.stat(tmp_path / "c.precise_bn.pt").st_uid
     monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # anyone but root and the owner
-    assert "belongs to user id {}".format(owner) in _refused(capsys, path)
+    assert "belongs to user id {}".format(owner) in _refused(capsys, path, "--overwrite")
     assert (tmp_path / "c.precise_bn.pt").read_bytes() == b"someone's file"
 
 
@@ -143,9 +143,10 @@ def test_a_hard_linked_output_needs_break_hardlinks(ckpt, tmp_path, capsys):
     out, other = tmp_path / "out.pt", tmp_path / "backup.pt"
     out.write_bytes(b"previous result")
     os.link(out, other)
-    line = _refused(capsys, path, "--output", out)
+    line = _refused(capsys, path, "--output", out, "--overwrite")
     assert "2 hard links" in line and "--break-hardlinks" in line
-    result = run_cli(capsys, "recompute", path, *COUNTED, "--output", out, "--break-hardlinks", "-q", *TRUST)
+    result = run_cli(capsys, "recompute", path, *COUNTED, "--output", out, "--overwrite", "--break-hardlinks", "-q",
+                     *TRUST)
     assert result.returncode == 0, result.stderr
     assert other.read_bytes() == b"previous result" and out.stat().st_nlink == 1
     _check_stats(load(out)["model"], net)
@@ -172,3 +173,38 @@ def test_inspect_plot_over_an_input_is_refused_before_loading(ckpt, tmp_path, ca
     result = run_cli(capsys, "inspect", path, "--against", other, "--plot", other, *TRUST)
     assert result.returncode == 1 and "--plot {}: refusing to overwrite --against".format(other) in result.stderr
     assert path.read_bytes() == before and result.stdout == ""
+
+
+@pytest.mark.parametrize("flag", ["--output", "--report"])
+def test_an_existing_output_is_refused_before_the_pass_unless_overwrite(ckpt, tmp_path, capsys, flag):
+    path, net = ckpt
+    existing = tmp_path / ("other.pt" if flag == "--output" else "other.json")
+    existing.write_bytes(b"someone's work")
+    line = _refused(capsys, path, flag, existing)
+    assert "{} {}: the file exists; pass --overwrite".format(flag, existing) in line
+    assert existing.read_bytes() == b"someone's work"
+    assert not (tmp_path / "c.precise_bn.pt").exists()  # nothing else written either
+    result = run_cli(capsys, "recompute", path, *COUNTED, flag, existing, "--overwrite", "-q", *TRUST)
+    assert result.returncode == 0, result.stderr
+    assert existing.read_bytes() != b"someone's work"
+
+
+def test_the_default_output_of_an_earlier_run_is_kept_unless_overwrite(ckpt, tmp_path, capsys):
+    path, _ = ckpt
+    assert run_cli(capsys, "recompute", path, *COUNTED, "-q", *TRUST).returncode == 0
+    first = (tmp_path / "c.precise_bn.pt").read_bytes()
+    cli_factories.READ["batches"] = 0
+    assert "c.precise_bn.pt: the file exists" in _refused(capsys, path)
+    assert (tmp_path / "c.precise_bn.pt").read_bytes() == first
+
+
+def test_inspect_plot_refuses_an_existing_file_before_reading_anything(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    torch.save(trained_net().state_dict(), str(tmp_path / "a.pt"))
+    plot = tmp_path / "drift.png"
+    plot.write_bytes(b"old")
+    result = run_cli(capsys, "inspect", tmp_path / "a.pt", "--against", tmp_path / "a.pt", "--plot", plot, *TRUST)
+    assert result.returncode == 1 and result.stdout == ""  # refused before the checkpoints were read
+    assert result.stderr.strip() == "precise-bn: error: --plot {}: the file exists; pass --overwrite to replace " \
+                                    "it, or choose another name".format(plot)
+    assert plot.read_bytes() == b"old"

@@ -127,10 +127,55 @@ def test_a_hard_linked_output_is_refused_unless_break_hardlinks(tmp_path, capsys
     save_caffe2_pickle(nl_video_blobs(), src)
     other.write_bytes(b"previous result")
     os.link(other, out)
-    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped"]) == 1
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite"]) == 1
     line = capsys.readouterr().err.strip()
     assert "2 hard links" in line and "--break-hardlinks" in line and len(line.splitlines()) == 1
     assert out.read_bytes() == b"previous result"
-    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--break-hardlinks"]) == 0
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite", "--break-hardlinks"]) == 0
     assert other.read_bytes() == b"previous result" and out.stat().st_nlink == 1
     assert "nonlocal_conv3_1_bn_rm" in load(out)
+
+
+def test_an_existing_out_is_refused_unless_overwrite_and_python_callers_get_the_keyword(tmp_path, capsys):
+    src, out = tmp_path / "nl.pkl", tmp_path / "nl.pt"
+    save_caffe2_pickle(nl_video_blobs(), src)
+    out.write_bytes(b"previous result")
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped"]) == 1
+    assert capsys.readouterr().err.strip() == "precise-bn: error: the output {}: the file exists; pass --overwrite " \
+                                              "to replace it, or choose another name".format(out)
+    with pytest.raises(CheckpointError) as caught:
+        convert_checkpoint(str(src), str(out), unmapped="keep")
+    assert [(f.option, f.value) for f in caught.value.fixes] == [("overwrite", True)]
+    assert "overwrite=True" in str(caught.value) and "--" not in str(caught.value).replace(str(out), "")
+    assert out.read_bytes() == b"previous result"
+    assert main(["convert", str(src), str(out), "-q", "--keep-unmapped", "--overwrite"]) == 0
+    assert "nonlocal_conv3_1_bn_rm" in load(out)
+
+
+def test_a_wrapper_prefix_left_in_the_keys_is_pointed_out_with_strip_prefix(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from cli_factories import small_net
+
+    src = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"model." + k: v for k, v in small_net().state_dict().items()}, "epoch": 1}, str(src))
+    assert main(["convert", str(src), str(tmp_path / "a.safetensors"), "-q", *TRUST]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "  hint: pass --strip-prefix model. (every key starts with 'model.', the prefix " \
+                                   "a wrapper adds)"
+    assert main(["convert", str(src), str(tmp_path / "b.safetensors"), "--strip-prefix", "model.", "-q", *TRUST]) == 0
+    assert "hint" not in capsys.readouterr().out
+
+
+def test_torch_to_caffe2_failing_on_a_wrapper_prefix_names_strip_prefix(tmp_path, capsys):
+    from cli_factories import caffe2_style_net
+
+    src = tmp_path / "ddp.pt"
+    torch.save({"module." + k: v for k, v in caffe2_style_net().state_dict().items()}, str(src))
+    assert main(["convert", str(src), str(tmp_path / "out.pkl"), "-q", *TRUST]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("; pass --strip-prefix module. (every key starts with 'module.', the prefix a wrapper adds)")
+    assert not (tmp_path / "out.pkl").exists()
+    assert main(["convert", str(src), str(tmp_path / "out.pkl"), "-q", "--keep-unmapped", "--strip-prefix", "module.",
+                 *TRUST]) == 0, capsys.readouterr().err
+    blobs = load_caffe2_pickle(tmp_path / "out.pkl")
+    assert "conv1_w" in blobs and not any(name.startswith("module") for name in blobs)

@@ -175,3 +175,12 @@ def test_every_module_level_function_and_class_is_used_in_the_package():
                     and "{}.{}".format(name, defined) not in OBSERVERS:
                 unused.append("precise_bn.{}.{}".format(name, defined))
     assert not unused, "defined but never used in the package: " + ", ".join(sorted(unused))
+
+
+def test_no_module_shadows_the_standard_library():
+    """A sibling's ``import inspect`` must get the standard library's, not ours."""
+    import sys
+
+    stdlib = getattr(sys, "stdlib_module_names", {"inspect", "json", "logging", "os", "signal", "types", "typing"})
+    shadowing = [name for name in _modules() if name and name.split(".")[-1] in stdlib]
+    assert not shadowing, shadowing

@@ -20,59 +20,196 @@ dict in a dict checkpoint, or in the safetensors metadata, never inside a bare s
 """
 from __future__ import annotations
 
-import datetime
-import inspect
-import io
 import json
 import logging
 import os
-import pickle
-import re
 import zipfile
-from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
-from .._version import __version__
-from ..errors import BackendUnavailableError, CheckpointError, ConfigError, UnsafeCheckpointError
-from ..report import BNReport
-from ..atomic import atomic_write
-from .paths import check_paths
-from .state import PROVENANCE_KEY, Checkpoint, StateDict, locate_state_dict
+from ..errors import CheckpointError
+from .serializers import (PICKLE_PROTO, PICKLE_PROTOCOL, ZIP_HEADER, Writer, caffe2_writer, load_safetensors,
+                          read_head, safetensors_writer, torch_load, torch_writer, write_file, written_by_torch_save)
+from .serializers import SAFE_LOAD_AVAILABLE  # noqa: F401  (still importable from here, as before)
+from .state import PROVENANCE_KEY, Checkpoint, locate_state_dict
 
 logger = logging.getLogger("precise_bn")
 
-#: ``torch.load(weights_only=True)`` exists (torch >= 1.13): files load without running code.
-SAFE_LOAD_AVAILABLE = "weights_only" in inspect.signature(torch.load).parameters
+class Format:
+    """One checkpoint file format: how a file is recognised, read, and written back.
+
+    To add a format, subclass this and list an instance in :data:`FORMATS`: nothing else
+    dispatches on formats.
+    """
+
+    name = ""
+    extensions: Tuple[str, ...] = ()
+    #: Whether the file may hold a state dict among other objects (the ``key`` of loading).
+    nested = False
+
+    def claims(self, path: str, head: Optional[bytes]) -> bool:
+        """Whether ``path`` is in this format, from its first bytes ``head`` when it exists
+        (None for an output not yet written) and its name."""
+        return path.lower().endswith(self.extensions)
+
+    def load(self, path: str, key: Optional[str], trust: bool, rules: Any) -> Checkpoint:
+        raise NotImplementedError
+
+    def writer(self, ckpt: Checkpoint) -> Writer:
+        """What writes ``ckpt`` back, with the serializer it was read with."""
+        raise NotImplementedError
+
+    def state_dict_writer(self, state: Mapping[str, torch.Tensor], path: str, rules: Any,
+                          unmapped: str) -> Tuple[Writer, Any]:
+        """What writes a bare state dict to ``path``, and the name conversion's report (or None)."""
+        raise NotImplementedError
+
+    def provenance(self, ckpt: Checkpoint) -> Any:
+        """The ``precise_bn`` entry ``ckpt`` holds, as stored; None where the format has no room."""
+        return None
+
+    def set_provenance(self, ckpt: Checkpoint, info: Mapping[str, Any]) -> bool:
+        """Record ``info`` in ``ckpt``; False where the format has no room for it."""
+        return False
+
+
+class SafetensorsFormat(Format):
+    """A flat name -> tensor table plus a string metadata header (recognised by its name, or
+    by its first eight bytes, the header's length, followed by the header's opening brace)."""
+
+    name, extensions = "safetensors", (".safetensors",)
+
+    def claims(self, path: str, head: Optional[bytes]) -> bool:
+        if super().claims(path, head):
+            return True
+        if head is None or len(head) < 9:
+            return False
+        return head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= os.path.getsize(path)
+
+    def load(self, path: str, key: Optional[str], trust: bool, rules: Any) -> Checkpoint:
+        tensors, metadata = load_safetensors(path)
+        return Checkpoint(path, self.name, tensors, tensors, metadata=metadata)
+
+    def writer(self, ckpt: Checkpoint) -> Writer:
+        return safetensors_writer(ckpt.state_dict, ckpt.metadata)
+
+    def state_dict_writer(self, state: Mapping[str, torch.Tensor], path: str, rules: Any,
+                          unmapped: str) -> Tuple[Writer, Any]:
+        # safetensors refuses tensors that share memory; a state dict may hold views.
+        tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
+        return safetensors_writer(tensors, {"format": "pt"}), None
+
+    def provenance(self, ckpt: Checkpoint) -> Any:
+        """Files come from anywhere: an entry that is not JSON comes back as its text."""
+        text = ckpt.metadata.get(PROVENANCE_KEY)
+        try:
+            return None if text is None else json.loads(text)
+        except ValueError:
+            return text
+
+    def set_provenance(self, ckpt: Checkpoint, info: Mapping[str, Any]) -> bool:
+        ckpt.metadata[PROVENANCE_KEY] = json.dumps(dict(info), sort_keys=True)
+        return True
+
+
+class Caffe2Format(Format):
+    """A Caffe2 / Detectron pickle of numpy blobs: named ``.pkl``/``.pickle`` and not a
+    ``torch.save`` file (legacy ones are pickles too, and are sometimes named ``.pkl``)."""
+
+    name, extensions = "caffe2", (".pkl", ".pickle")
+
+    def claims(self, path: str, head: Optional[bytes]) -> bool:
+        return super().claims(path, head) and not (head and written_by_torch_save(head))
+
+    def load(self, path: str, key: Optional[str], trust: bool, rules: Any) -> Checkpoint:
+        from ..caffe2.checkpoint import pickle_protocol, read_caffe2_pickle
+        from ..caffe2.names import caffe2_to_torch
+
+        root, blobs = read_caffe2_pickle(path)
+        # Blobs no rule maps stay in ``root``, which is what is written back: nothing is lost.
+        state_dict, conversion = caffe2_to_torch(blobs, rules, source=path, unmapped="drop")
+        logger.info("%s: Caffe2 blobs to PyTorch names: %s", path, conversion)
+        names = {key: blob for blob, key in conversion.mapped.items()}
+        return Checkpoint(path, self.name, root, state_dict, source_names=names,
+                          metadata={PICKLE_PROTOCOL: str(pickle_protocol(path))})
+
+    def writer(self, ckpt: Checkpoint) -> Writer:
+        # Each updated tensor goes back into the blob it was read from, in that blob's dtype and shape.
+        blobs = {ckpt.source_names[key]: ckpt.state_dict[key] for key in ckpt.updated}
+        return caffe2_writer(blobs, ckpt.root, ckpt.metadata)
+
+    def state_dict_writer(self, state: Mapping[str, torch.Tensor], path: str, rules: Any,
+                          unmapped: str) -> Tuple[Writer, Any]:
+        from ..caffe2.names import torch_to_caffe2
+
+        blobs, conversion = torch_to_caffe2(dict(state), rules, unmapped=unmapped, source="converting to " + path)
+        logger.info("%s: PyTorch names to Caffe2 blobs: %s", path, conversion)
+        return caffe2_writer(blobs), conversion
+
+
+class TorchFormat(Format):
+    """Anything ``torch.save`` wrote (a zip archive, or a legacy pickle); the format of every
+    name no other format claims."""
+
+    name, nested = "torch", True
+
+    def claims(self, path: str, head: Optional[bytes]) -> bool:
+        return True
+
+    def load(self, path: str, key: Optional[str], trust: bool, rules: Any) -> Checkpoint:
+        head = read_head(path) or b""
+        if not (head.startswith(ZIP_HEADER) or head.startswith(PICKLE_PROTO)):
+            raise CheckpointError("{}: neither a PyTorch checkpoint (a zip archive or a pickle), a pickle nor a "
+                                  "safetensors file; it begins with {!r}".format(path, head))
+        root = torch_load(path, trust)
+        where, state_dict = locate_state_dict(root, path, key)
+        return Checkpoint(path, self.name, root, state_dict, where=where, legacy_format=not zipfile.is_zipfile(path))
+
+    def writer(self, ckpt: Checkpoint) -> Writer:
+        return torch_writer(ckpt.root, ckpt.legacy_format)
+
+    def state_dict_writer(self, state: Mapping[str, torch.Tensor], path: str, rules: Any,
+                          unmapped: str) -> Tuple[Writer, Any]:
+        return torch_writer(dict(state)), None
+
+    def provenance(self, ckpt: Checkpoint) -> Any:
+        return ckpt.root.get(PROVENANCE_KEY) if ckpt.where and isinstance(ckpt.root, Mapping) else None
+
+    def set_provenance(self, ckpt: Checkpoint, info: Mapping[str, Any]) -> bool:
+        """Next to the state dict in a dict checkpoint; never inside a bare state dict, which
+        ``load_state_dict(strict=True)`` would then reject."""
+        if not (ckpt.where and isinstance(ckpt.root, dict)):
+            return False
+        ckpt.root[PROVENANCE_KEY] = dict(info)
+        return True
+
+
+#: Every format, in the order they are tried: the first that claims a file reads it.
+FORMATS: Tuple[Format, ...] = (SafetensorsFormat(), Caffe2Format(), TorchFormat())
+
+
+def format_named(name: str) -> Format:
+    """The format a :class:`Checkpoint` names in its ``format``."""
+    return next(fmt for fmt in FORMATS if fmt.name == name)
+
+
+def format_of(path: str) -> Format:
+    """The format of ``path``: from its first bytes when it exists, else from its name."""
+    head = read_head(path) if os.path.isfile(path) else None
+    return next(fmt for fmt in FORMATS if fmt.claims(path, head))
+
 
 def detect_format(path: str) -> str:
-    """``"safetensors"``, ``"caffe2"`` (a plain pickle named ``.pkl``/``.pickle``) or ``"torch"``.
-
-    A zip archive is always a ``torch.save`` file, whatever its name; a non-zip file is a
-    Caffe2 pickle only when its name says so and it does not begin as a legacy ``torch.save``
-    file does (those are pickles too, and are sometimes named ``.pkl``).
-    """
-    lower = path.lower()
-    if lower.endswith(".safetensors"):
-        return "safetensors"
-    if lower.endswith((".pkl", ".pickle")) and not (os.path.isfile(path) and _written_by_torch_save(path)):
-        return "caffe2"
-    return "torch"
+    """The name of :func:`format_of` ``path``: ``"safetensors"``, ``"caffe2"`` or ``"torch"``."""
+    return format_of(path).name
 
 
-#: How a legacy (non-zip) ``torch.save`` file begins: its magic number, pickled with protocol 2.
-_LEGACY_TORCH_HEADER = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-
-
-def _written_by_torch_save(path: str) -> bool:
-    """A zip archive, or a pickle that starts with torch's legacy magic number."""
-    try:
-        if zipfile.is_zipfile(path):
-            return True
-        with open(path, "rb") as handle:
-            return handle.read(len(_LEGACY_TORCH_HEADER)) == _LEGACY_TORCH_HEADER
-    except OSError:
-        return False  # unreadable: loading it says so
+def check_key(path: str, fmt: Format, key: Optional[str]) -> None:
+    """A ``key`` only for a format whose files nest a state dict among other objects."""
+    if key is not None and not fmt.nested:
+        raise CheckpointError("{}: a {} file is one flat table of tensors, with no key to choose; a key applies to "
+                              "torch.save files".format(path, fmt.name))
 
 
 def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False, rules: Any = None) -> Checkpoint:
@@ -85,7 +222,8 @@ def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False
     model-zoo ResNet names).
 
     Raises:
-        CheckpointError: the file is missing or unreadable, or holds no state dict where looked.
+        CheckpointError: the file is missing or unreadable, is in no known format, or holds no
+            state dict where looked.
         UnsafeCheckpointError: the file needs code to load and ``trust`` is False.
     """
     path = os.fspath(path)
@@ -96,174 +234,9 @@ def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False
         raise CheckpointError("{}: no such checkpoint file".format(path))
     if os.path.getsize(path) == 0:
         raise CheckpointError("{}: the file is empty (0 bytes), an interrupted save?".format(path))
-    fmt = detect_format(path)
-    if key is not None and fmt != "torch":
-        raise CheckpointError("{}: a {} file is one flat table of tensors; --key applies to torch.save files".format(path, fmt))
-    if fmt == "safetensors":
-        tensors, metadata = _load_safetensors(path)
-        return Checkpoint(path, fmt, tensors, tensors, metadata=metadata)
-    if fmt == "caffe2":
-        from ..caffe2.checkpoint import pickle_protocol, read_caffe2_pickle
-        from ..caffe2.names import caffe2_to_torch
-
-        root, blobs = read_caffe2_pickle(path)
-        # Blobs no rule maps stay in ``root``, which is what is written back: nothing is lost.
-        state_dict, conversion = caffe2_to_torch(blobs, rules, source=path, unmapped="drop")
-        logger.info("%s: Caffe2 blobs to PyTorch names: %s", path, conversion)
-        names = {key: blob for blob, key in conversion.mapped.items()}
-        return Checkpoint(path, fmt, root, state_dict, source_names=names,
-                          metadata={PICKLE_PROTOCOL: str(pickle_protocol(path))})
-    root = _torch_load(path, trust)
-    where, state_dict = locate_state_dict(root, path, key)
-    return Checkpoint(path, fmt, root, state_dict, where=where, legacy_format=not zipfile.is_zipfile(path))
-
-
-def _safetensors_torch() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            ".safetensors files need the safetensors package: pip install safetensors"
-        ) from exc
-    return safetensors.torch
-
-
-def _load_safetensors(path: str) -> Tuple[StateDict, Dict[str, str]]:
-    st = _safetensors_torch()
-    from safetensors import SafetensorError
-
-    try:
-        with st.safe_open(path, framework="pt") as handle:
-            metadata = dict(handle.metadata() or {})
-        return st.load_file(path), metadata
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError("{}: cannot be read as a safetensors file: {}".format(path, exc)) from exc
-
-
-def _torch_load(path: str, trust: bool) -> Any:
-    if not trust and not SAFE_LOAD_AVAILABLE:
-        raise UnsafeCheckpointError(
-            "{}: torch {} cannot load a checkpoint without the risk of running code from it "
-            "(torch.load(weights_only=True) needs torch >= 1.13); pass --trust-checkpoint "
-            "(trust=True) only if you trust where this file comes from".format(path, torch.__version__)
-        )
-    kwargs: Dict[str, Any] = {"map_location": "cpu"}
-    if SAFE_LOAD_AVAILABLE:
-        kwargs["weights_only"] = not trust
-    try:
-        return torch.load(path, **kwargs)
-    except pickle.UnpicklingError as exc:
-        if trust:
-            raise CheckpointError("{}: cannot be unpickled: {}".format(path, exc)) from exc
-        raise UnsafeCheckpointError(
-            "{}: refused: loading it needs more than tensors and plain containers ({}); "
-            "nothing from it was run. Pass --trust-checkpoint (trust=True) only if you trust "
-            "where this file comes from".format(path, _unpickler_complaint(str(exc)))
-        ) from exc
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError("{}: cannot be read as a PyTorch checkpoint: {}".format(path, exc)) from exc
-
-
-def _unpickler_complaint(message: str) -> str:
-    """The one useful line of torch's weights_only error: the global or opcode it refused."""
-    found = re.search(r"GLOBAL ([\w.]+)", message)
-    if found:
-        return "it refers to " + found.group(1)
-    detail = message.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
-    return detail[0] if detail else message
-
-
-def _now() -> datetime.datetime:
-    """The time to record: ``SOURCE_DATE_EPOCH`` when set (reproducible builds' convention, so
-    that two identical runs write identical bytes), else the current time, in UTC."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    if epoch is None:
-        return datetime.datetime.now(datetime.timezone.utc)
-    try:
-        return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
-    except (ValueError, OverflowError, OSError) as exc:
-        raise ConfigError("SOURCE_DATE_EPOCH={!r} is not a number of seconds since 1970".format(epoch)) from exc
-
-
-def provenance(report: BNReport) -> Dict[str, Any]:
-    """What the ``precise_bn`` entry records: how the stats were measured, by what, when."""
-    return {
-        "version": __version__,
-        "torch": str(torch.__version__),
-        "date": _now().isoformat(timespec="seconds"),
-        "samples": report.samples,
-        "iterations": report.batches,
-        "world_size": report.world_size,
-        "estimator": report.estimator,
-        "layers": len(report.layers) - len(report.unused),
-    }
-
-
-def set_provenance(ckpt: Checkpoint, info: Mapping[str, Any]) -> None:
-    """Record ``info`` as the ``precise_bn`` entry where the layout has room (logged if not)."""
-    if ckpt.format == "safetensors":
-        ckpt.metadata[PROVENANCE_KEY] = json.dumps(dict(info), sort_keys=True)
-    elif ckpt.format == "torch" and ckpt.where and isinstance(ckpt.root, dict):
-        ckpt.root[PROVENANCE_KEY] = dict(info)
-    else:
-        logger.info(
-            "%s: a %s layout has no room for a precise_bn provenance entry; none recorded",
-            ckpt.path, "bare state dict" if ckpt.format == "torch" else ckpt.format,
-        )
-
-
-def check_output(source: str, output: str, in_place: bool, *, break_hardlinks: bool = False) -> str:
-    """Check before any work that ``output`` may be written (see
-    :func:`precise_bn.checkpoint.paths.check_paths`): never the input ``source`` unless
-    ``in_place``, which writes nothing else. Returns the file that will be written (symbolic
-    links resolved)."""
-    return check_paths([("the input", source)], [("the output", output)], in_place=in_place,
-                       break_hardlinks=break_hardlinks)[0]
-
-
-def write_file(path: str, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` atomically; an OS failure becomes a CheckpointError naming the file."""
-    try:
-        atomic_write(path, write)
-    except OSError as exc:
-        raise CheckpointError(
-            "{}: writing failed ({}); any previous file there is unchanged".format(path, exc.strerror or exc)
-        ) from exc
-
-
-def _safetensors_writer(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]):
-    save = _safetensors_torch().save
-    return lambda handle: handle.write(save(dict(tensors), metadata=dict(metadata)))
-
-
-#: Where a Caffe2 checkpoint's ``metadata`` keeps its pickle protocol, to write it back alike.
-PICKLE_PROTOCOL = "pickle_protocol"
-
-
-def _caffe2_writer(blobs: Mapping[str, Any], root: Any = None, metadata: Optional[Mapping[str, str]] = None):
-    from ..caffe2.checkpoint import DEFAULT_PROTOCOL, save_caffe2_pickle
-
-    protocol = int((metadata or {}).get(PICKLE_PROTOCOL, DEFAULT_PROTOCOL))
-    return lambda handle: save_caffe2_pickle(dict(blobs), handle, root=root, protocol=protocol)
-
-
-def _torch_writer(obj: Any, legacy: bool = False):
-    """Serialise in memory, then write the bytes: a full disk or a file-size limit then raises
-    the plain ``OSError`` (ENOSPC, EFBIG) instead of the zip writer's internal error, which on
-    torch 1.10 even aborts the process from a destructor."""
-
-    def write(handle: BinaryIO) -> None:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
-        handle.write(buffer.getbuffer())
-
-    return write
-
-
-def _caffe2_blobs_with(ckpt: Checkpoint) -> Dict[str, Any]:
-    """Each updated tensor under the name of the blob it was read from (written back into
-    ``ckpt.root`` in that blob's dtype and shape)."""
-    return {ckpt.source_names[key]: ckpt.state_dict[key] for key in ckpt.updated}
+    fmt = format_of(path)
+    check_key(path, fmt, key)
+    return fmt.load(path, key, trust, rules)
 
 
 def save_checkpoint(ckpt: Checkpoint, output: str) -> None:
@@ -272,34 +245,15 @@ def save_checkpoint(ckpt: Checkpoint, output: str) -> None:
     The same serializer as the input's (zip or legacy ``torch.save``, safetensors with its
     metadata, Caffe2 pickle). ``output`` is one :func:`check_output` accepted before any work.
     """
-    if ckpt.format == "safetensors":
-        writer = _safetensors_writer(ckpt.state_dict, ckpt.metadata)
-    elif ckpt.format == "caffe2":
-        writer = _caffe2_writer(_caffe2_blobs_with(ckpt), ckpt.root, ckpt.metadata)
-    else:
-        writer = _torch_writer(ckpt.root, ckpt.legacy_format)
-    write_file(output, writer)
+    write_file(output, format_named(ckpt.format).writer(ckpt))
     logger.info("wrote %s (%d BatchNorm tensors updated)", output, len(ckpt.updated))
 
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str, fmt: str, rules: Any = None,
                     unmapped: str = "error") -> Any:
-    """Write a bare state dict as ``fmt`` (``torch``, ``safetensors`` or ``caffe2``, with the
-    name ``rules`` and ``unmapped`` policy of :func:`precise_bn.caffe2.names.torch_to_caffe2`),
+    """Write a bare state dict as ``fmt`` (a :data:`FORMATS` name; for ``caffe2``, with the name
+    ``rules`` and ``unmapped`` policy of :func:`precise_bn.caffe2.names.torch_to_caffe2`),
     atomically. Returns the name conversion's report for ``caffe2``, else None."""
-    conversion = None
-    if fmt == "safetensors":
-        # safetensors refuses tensors that share memory; a state dict may hold views.
-        tensors = {k: v.detach().contiguous().clone() for k, v in state_dict.items()}
-        writer = _safetensors_writer(tensors, {"format": "pt"})
-    elif fmt == "caffe2":
-        from ..caffe2.names import torch_to_caffe2
-
-        blobs, conversion = torch_to_caffe2(dict(state_dict), rules, unmapped=unmapped, source="converting to " + path)
-        logger.info("%s: PyTorch names to Caffe2 blobs: %s", path, conversion)
-        writer = _caffe2_writer(blobs)
-    else:
-        writer = _torch_writer(dict(state_dict))
+    writer, conversion = format_named(fmt).state_dict_writer(state_dict, path, rules, unmapped)
     write_file(path, writer)
     return conversion
-

@@ -9,6 +9,7 @@ refuses, with one line naming the option and the fix:
   link) -- except the checkpoint itself under ``--in-place``;
 * a folder: missing, or where the temporary file cannot be created (read-only, no permission:
   found by creating and removing it); a name longer than the file system allows;
+* an existing file, unless ``overwrite``: replacing it loses what it held;
 * an existing file with other hard links (replacing it would leave the other names holding the
   old content) unless ``break_hardlinks``; one owned by another user when not running as root
   (it would change hands).
@@ -24,7 +25,7 @@ import time
 from typing import List, Sequence, Tuple
 
 from ..atomic import name_max, probe, stale_temporaries
-from ..errors import CheckpointError
+from ..errors import CheckpointError, Fix
 
 logger = logging.getLogger("precise_bn")
 
@@ -47,18 +48,21 @@ def _how(a: str, b: str) -> str:
     return " (through a link)"
 
 
-def _check_file(label: str, path: str, break_hardlinks: bool) -> None:
-    """An existing output: a file we may replace without harm."""
+def _check_file(label: str, path: str, break_hardlinks: bool, overwrite: bool) -> None:
+    """An existing output: a file we were asked to replace and may replace without harm."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return
     if os.path.isdir(path):
         raise CheckpointError("{} {}: is a folder; name a file to write".format(label, path))
+    if not overwrite:
+        raise CheckpointError("{} {}: the file exists".format(label, path),
+                              Fix("overwrite", True, "to replace it, or choose another name"))
     if st.st_nlink > 1 and not break_hardlinks:
         raise CheckpointError(
             "{} {}: the file has {} hard links, and replacing it would leave the other names with the old "
-            "content; pass --break-hardlinks to replace this name only".format(label, path, st.st_nlink))
+            "content".format(label, path, st.st_nlink), Fix("break_hardlinks", True, "to replace this name only"))
     if os.geteuid() != 0 and st.st_uid != os.geteuid():
         raise CheckpointError(
             "{} {}: the file belongs to user id {}; replacing it would make it yours and could lock its owner "
@@ -93,29 +97,40 @@ def _report_stale(label: str, path: str) -> None:
 
 
 def check_paths(inputs: Sequence[Named], outputs: Sequence[Named], *, in_place: bool = False,
-                break_hardlinks: bool = False) -> List[str]:
+                break_hardlinks: bool = False, overwrite: bool = False) -> List[str]:
     """Check ``outputs`` against ``inputs`` and each other (see the module docstring); return
     each output resolved through symbolic links, the file that will really be written.
 
-    ``in_place``: the first output is meant to be the first input (the checkpoint).
+    ``in_place``: the first output is meant to be the first input (the checkpoint), which it
+    replaces without ``overwrite``.
     """
     resolved = [os.path.realpath(path) for _, path in outputs]
     for i, (label, path) in enumerate(outputs):
         for j, (in_label, source) in enumerate(inputs):
             if in_place and i == 0 and j == 0:
                 if not _same(path, source):
-                    raise CheckpointError("{}: --in-place writes the checkpoint itself, not {}".format(source, path))
+                    raise CheckpointError("{}: {} writes the checkpoint itself, not {}".format(source, label, path))
             elif _same(path, source):
-                fix = "; pass --in-place to replace it, or choose another --output" if label == "--output" and j == 0 \
-                    else "; choose another file"
+                fixes = [Fix("in_place", True, "to replace it, or choose another output")] \
+                    if label == "--output" and j == 0 else []
                 raise CheckpointError("{} {}: refusing to overwrite {} {}{}{}".format(
-                    label, path, in_label, source, _how(path, source), fix))
+                    label, path, in_label, source, _how(path, source), "" if fixes else "; choose another file"),
+                    *fixes)
         for other_label, other in outputs[:i]:
             if _same(path, other):
                 raise CheckpointError("{} {} and {} {} are the same file{}; give each its own".format(
                     other_label, other, label, path, _how(path, other)))
         _check_folder(label, resolved[i])
-        _check_file(label, resolved[i], break_hardlinks)
+        _check_file(label, resolved[i], break_hardlinks, overwrite or (in_place and i == 0))
         _report_stale(label, resolved[i])
     return resolved
 
+
+def check_output(source: str, output: str, in_place: bool, *, break_hardlinks: bool = False,
+                 overwrite: bool = False) -> str:
+    """Check before any work that ``output`` may be written (see
+    :func:`check_paths`): never the input ``source`` unless
+    ``in_place``, which writes nothing else. Returns the file that will be written (symbolic
+    links resolved)."""
+    return check_paths([("the input", source)], [("the output", output)], in_place=in_place,
+                       break_hardlinks=break_hardlinks, overwrite=overwrite)[0]

@@ -9,14 +9,13 @@ model still works.
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, Fix
 from ..report import BNReport
 
 STATE_DICT_KEYS = ("state_dict", "model", "model_state")
@@ -45,23 +44,6 @@ class Checkpoint:
     legacy_format: bool = False
     source_names: Dict[str, str] = field(default_factory=dict)
     updated: List[str] = field(default_factory=list)
-
-    @property
-    def provenance(self) -> Any:
-        """The ``precise_bn`` entry a previous recompute left, as stored (None when absent).
-
-        Files come from anywhere, so nothing is assumed of it: a safetensors entry that is not
-        JSON comes back as its text, a ``torch.save`` one as whatever object it is.
-        """
-        if self.format == "safetensors" and PROVENANCE_KEY in self.metadata:
-            text = self.metadata[PROVENANCE_KEY]
-            try:
-                return json.loads(text)
-            except ValueError:
-                return text
-        if self.format == "torch" and self.where and isinstance(self.root, Mapping):
-            return self.root.get(PROVENANCE_KEY)
-        return None
 
     def describe(self) -> str:
         place = "under " + "/".join(repr(k) for k in self.where) if self.where else "at the top level"
@@ -98,7 +80,7 @@ def locate_state_dict(root: Any, path: str, key: Optional[str] = None) -> Tuple[
                 raise CheckpointError(
                     "{}: no key {!r} in the checkpoint; keys there: {}".format(
                         path, "/".join(where + [part]), _keys_of(node)
-                    )
+                    ), *_key_fixes(root)
                 )
             node = node[part]
             where.append(part)
@@ -123,13 +105,37 @@ def locate_state_dict(root: Any, path: str, key: Optional[str] = None) -> Tuple[
     if len(found) == 1:
         return (found[0],), root[found[0]]
     if found:
-        raise CheckpointError(
-            "{}: several state dicts ({}); choose one with --key".format(path, ", ".join(found))
-        )
+        raise CheckpointError("{}: several state dicts ({}); choose the model's".format(path, ", ".join(found)),
+                              *[Fix("key", k) for k in found])
+    fixes = _key_fixes(root)
     raise CheckpointError(
-        "{}: no state dict at the top level or under {}; top-level keys: {}; name the model's "
-        "with --key".format(path, ", ".join(repr(k) for k in STATE_DICT_KEYS), _keys_of(root))
-    )
+        "{}: no state dict at the top level or under {}; top-level keys: {}{}".format(
+            path, ", ".join(repr(k) for k in STATE_DICT_KEYS), _keys_of(root),
+            "" if fixes else "; none deeper either"), *fixes)
+
+
+def _key_fixes(root: Any, limit: int = 5) -> List[Fix]:
+    """A ``key`` for each state dict nested in ``root`` (three levels deep at most)."""
+    found: List[str] = []
+
+    def walk(node: Any, where: List[str]) -> None:
+        if len(found) >= limit or len(where) > 3 or not isinstance(node, Mapping):
+            return
+        if where and _is_state_dict(node):
+            found.append("/".join(where))
+            return
+        for k, v in node.items():
+            if isinstance(k, str) and "/" not in k:
+                walk(v, where + [k])
+
+    walk(root, [])
+    return [Fix("key", k, "({} tensors)".format(len(_node(root, k)))) for k in found]
+
+
+def _node(root: Any, key: str) -> Any:
+    for part in key.split("/"):
+        root = root[part]
+    return root
 
 
 def prefix_counts(keys: Iterable[str], targets: Iterable[str]) -> "collections.Counter[str]":
@@ -147,6 +153,22 @@ def prefix_counts(keys: Iterable[str], targets: Iterable[str]) -> "collections.C
                 break
             start = dot + 1
     return counts
+
+
+#: Prefixes a wrapper adds to every key: ``module.`` (DDP, DataParallel), ``model.`` (a
+#: LightningModule's attribute), ``_orig_mod.`` (``torch.compile``).
+WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.")
+
+
+def wrapper_prefix(keys: Iterable[str]) -> str:
+    """The wrapper prefixes every key starts with (several nest: ``model.module.``), or ``""``."""
+    names, prefix = list(keys), ""
+    while names:
+        found = [p for p in WRAPPER_PREFIXES if all(k.startswith(prefix + p) for k in names)]
+        if not found:
+            break
+        prefix += found[0]
+    return prefix
 
 
 def _sample(names: List[str], limit: int = 12) -> str:
@@ -167,11 +189,8 @@ def match_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefi
         counts = prefix_counts(ckpt.state_dict, required)
         full = sorted(p for p, c in counts.items() if c == len(required))
         if len(full) > 1:
-            raise CheckpointError(
-                "{}: the model's keys appear under several prefixes ({}); choose one with --prefix".format(
-                    ckpt.path, ", ".join(repr(p) for p in full)
-                )
-            )
+            raise CheckpointError("{}: the model's keys appear under several prefixes ({}); choose one".format(
+                ckpt.path, ", ".join(repr(p) for p in full)), *[Fix("prefix", p) for p in full])
         prefix = full[0] if full else (counts.most_common(1)[0][0] if counts else "")
     is_lazy = getattr(nn.parameter, "is_lazy", lambda t: False)
     missing = [k for k in model_state if prefix + k not in ckpt.state_dict and not _optional(k)]
@@ -192,8 +211,35 @@ def match_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefi
         ):
             if names:
                 lines.append("  {} ({}): {}".format(title, len(names), _sample(names)))
-        raise CheckpointError("\n".join(lines))
+        fixes = _prefix_fixes(ckpt, model_state, prefix)
+        if not (missing or unexpected):
+            fixes += _head_fixes(ckpt, model_state, prefix)
+        raise CheckpointError("\n".join(lines), *fixes)
     return prefix
+
+
+def _prefix_fixes(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefix: str) -> List[Fix]:
+    """Another prefix under which every model key is found, with the same shapes."""
+    required = [k for k in model_state if not _optional(k)]
+    counts = prefix_counts(ckpt.state_dict, required)
+    return [Fix("prefix", p, "(every model key is there)") for p in sorted(counts)
+            if p != prefix and counts[p] == len(required)
+            and all(ckpt.state_dict[p + k].shape == model_state[k].shape for k in required)]
+
+
+def _head_fixes(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefix: str) -> List[Fix]:
+    """``num_classes`` when the only tensors whose shapes differ are the model's last module's,
+    and only in their first dimension, alike: a classifier head fine-tuned for another number
+    of classes."""
+    differ = [(tuple(ckpt.state_dict[prefix + k].shape), tuple(v.shape), k) for k, v in model_state.items()
+              if prefix + k in ckpt.state_dict and ckpt.state_dict[prefix + k].shape != v.shape]
+    last = [k for k in model_state if not _optional(k)][-1].rpartition(".")[0]
+    firsts = {(a[0], b[0]) if a and b and a[1:] == b[1:] else None for a, b, _ in differ}
+    if len(firsts) != 1 or None in firsts or any(k.rpartition(".")[0] != last for _, _, k in differ):
+        return []
+    (classes, model_classes), = firsts
+    return [Fix("model_kwargs", {"num_classes": classes}, "(the checkpoint's {} has {} outputs, the model's {})".format(
+        differ[0][2], classes, model_classes))]
 
 
 def _optional(key: str) -> bool:

@@ -28,13 +28,12 @@ from .. import distributed
 from ..atomic import Terminated, exit_on_terminate
 from ..data import input_key_forward
 from ..options import ForwardFn, Options
-from . import convert, inspect
+from . import convert, show
 from .demo import run_demo
 from .failures import one_line
 from .job import recompute_checkpoint
 from .parser import parse
 from .specs import load_callable
-from .tables import COLUMNS, legend
 
 logger = logging.getLogger("precise_bn")
 
@@ -58,11 +57,11 @@ def _recompute(args: argparse.Namespace) -> None:
         report, _ = recompute_checkpoint(
             args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
             batch_size=args.batch_size, seed=args.seed, augment=args.augment, output=args.output,
-            in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks, key=args.key,
-            prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=inspect.rules_of(args), **options)
+            in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks,
+            overwrite=args.overwrite, key=args.key,
+            prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=show.rules_of(args), **options)
         if distributed.is_main_process():
             print(report)
-            print(legend(list(COLUMNS)))
     finally:
         if joined:
             torch.distributed.destroy_process_group()
@@ -114,7 +113,15 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
     logger.warning("%s: %s", category.__name__, message)
 
 
-COMMANDS = {"recompute": _recompute, "inspect": inspect.run, "convert": convert.run, "demo": _demo}
+COMMANDS = {"recompute": _recompute, "inspect": show.run, "convert": convert.run, "demo": _demo}
+
+
+def _stdout_closed() -> None:
+    """The reader of our output has gone (``inspect X | head``): whatever is still buffered
+    goes nowhere, so that the interpreter's own flush at exit does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -127,6 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with exit_on_terminate(), _logging_to_stderr(args.quiet), warnings.catch_warnings():
             warnings.showwarning = _show_warning
             COMMANDS[args.command](args)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_closed()
+        return 0
     except (Exception, KeyboardInterrupt, Terminated) as exc:
         if args.debug:
             traceback.print_exc()

@@ -5,7 +5,9 @@ Data specs:
 * ``package.module:callable``: returns an iterable of batches (a DataLoader, a list, ...);
   ``--batch-size`` and ``--seed`` are passed as ``batch_size=`` and ``seed=`` when the callable
   takes those parameters.
-* ``imagefolder:DIR``: torchvision's ``ImageFolder`` (``DIR/CLASS/IMAGE``). By default the
+* ``imagefolder:DIR``: torchvision's ``ImageFolder`` (``DIR/CLASS/IMAGE``, batches of
+  ``(images, labels)``); or, when DIR has no subfolder, exactly the image files in DIR
+  (batches of images alone: BN statistics need no labels). By default the
   usual evaluation transform, which has no randomness: the shorter side resized to
   ``size / 0.875``, a centre crop of ``size``, normalisation by ``mean`` and ``std``. With
   ``--augment``, the usual training transforms instead (a random resized crop of ``size`` with
@@ -24,6 +26,7 @@ gives the same batches. Under ``torch.distributed`` each rank reads its own shar
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -32,6 +35,8 @@ import torch
 from .. import distributed
 from ..errors import ConfigError
 from .specs import call_factory, import_optional, load_callable
+
+logger = logging.getLogger("precise_bn")
 
 DEFAULT_BATCH_SIZE = 32
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -122,18 +127,39 @@ def _npz_data(spec: str, rest: str, kwargs: Mapping[str, Any], batch_size: int, 
     return _loader(TensorDataset(tensor), batch_size, options, seed)
 
 
-def _check_image_folder(spec: str, folder: str) -> None:
-    """A folder of class folders, not a class folder itself (the usual slip)."""
+class FlatImages(torch.utils.data.Dataset):
+    """Exactly the image files of one folder, in name order, each transformed: no labels, no
+    subfolders, no other files."""
+
+    def __init__(self, folder: str, transform: Any):
+        self.files = sorted(os.path.join(folder, e) for e in os.listdir(folder)
+                            if e.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, e)))
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> Any:
+        from torchvision.datasets.folder import default_loader
+
+        return self.transform(default_loader(self.files[index]))
+
+
+def _is_flat(spec: str, folder: str) -> bool:
+    """Whether ``folder`` is a flat folder of images (else one of class subfolders)."""
     if not os.path.isdir(folder):
         raise ConfigError("--data {!r}: {} is not a folder".format(spec, folder))
     entries = os.listdir(folder)
+    images = [e for e in entries if e.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, e))]
     if any(os.path.isdir(os.path.join(folder, e)) for e in entries):
-        return
-    if any(e.lower().endswith(IMAGE_EXTENSIONS) for e in entries):
-        raise ConfigError("--data {!r}: {} holds images itself, but imagefolder: reads one subfolder per class "
-                          "(DIR/CLASS/IMAGE); did you mean imagefolder:{}?".format(
-                              spec, folder, os.path.dirname(os.path.abspath(folder))))
-    raise ConfigError("--data {!r}: {} has no class subfolders (DIR/CLASS/IMAGE)".format(spec, folder))
+        if images:
+            logger.warning("--data %r: the %d image(s) directly in %s are not read: a folder with subfolders is read "
+                           "as DIR/CLASS/IMAGE", spec, len(images), folder)
+        return False
+    if not images:
+        raise ConfigError("--data {!r}: {} holds neither images ({}) nor class subfolders".format(
+            spec, folder, ", ".join(IMAGE_EXTENSIONS)))
+    return True
 
 
 def _imagefolder_data(spec: str, folder: str, kwargs: Mapping[str, Any], batch_size: int, seed: int,
@@ -148,9 +174,9 @@ def _imagefolder_data(spec: str, folder: str, kwargs: Mapping[str, Any], batch_s
     else:
         crop = [T.Resize(round(size / CROP_FRACTION)), T.CenterCrop(size)]
     transform = T.Compose(crop + [T.ToTensor(), T.Normalize(list(options["mean"]), list(options["std"]))])
-    _check_image_folder(spec, folder)
     try:
-        dataset = torchvision.datasets.ImageFolder(folder, transform=transform)
+        dataset = FlatImages(folder, transform) if _is_flat(spec, folder) else \
+            torchvision.datasets.ImageFolder(folder, transform=transform)
     except (FileNotFoundError, OSError) as exc:
         raise ConfigError("--data {!r}: {}".format(spec, exc)) from exc
     return _loader(SeededSamples(dataset, seed) if augment else dataset, batch_size, options, seed)

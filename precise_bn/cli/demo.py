@@ -28,7 +28,6 @@ from ..checkpoint.formats import SAFE_LOAD_AVAILABLE
 from ..digits import BATCH_SIZE, LEARNING_RATE, evaluate, load_digits, make_model, train
 from ..report import BNReport
 from .job import recompute_checkpoint
-from .tables import COLUMNS, legend
 
 DEFAULT_STEPS = 300
 MODEL_SPEC = "precise_bn.digits:make_model"
@@ -104,12 +103,12 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
             batch_size=BATCH_SIZE,
             trust=trust,
             progress=progress,
+            overwrite=True,  # the output of an earlier demo in the same --workdir
         )
         ema_accuracy, ema_loss = evaluate(_load(checkpoint), test_x, test_y)
         precise_accuracy, precise_loss = evaluate(_load(output), test_x, test_y)
     result = DemoResult(ema_accuracy, ema_loss, precise_accuracy, precise_loss, report, time.perf_counter() - started)
     print(report)
-    print(legend(list(COLUMNS)))
     print("held-out accuracy with the EMA running stats: {:6.2%} (loss {:.4f})".format(ema_accuracy, ema_loss))
     print("held-out accuracy with the precise stats:     {:6.2%} (loss {:.4f})".format(precise_accuracy, precise_loss))
     print("total {:.1f} s".format(result.seconds))

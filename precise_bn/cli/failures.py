@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+import shlex
 import site
 import sysconfig
 import traceback
 from typing import Any, Iterable, Iterator, List
 
-from ..errors import PreciseBNError
+from ..errors import CheckpointError, Fix, PreciseBNError, join_fixes
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,8 +130,23 @@ class BlamedBatches:
             yield batch
 
 
+#: Keyword arguments whose flag is not ``--`` and the name with dashes.
+_FLAGS = {"trust": "--trust-checkpoint"}
+
+
+def as_flag(fix: Fix) -> str:
+    """A :class:`~precise_bn.errors.Fix` as the flag that makes it, quoted for a shell."""
+    name = _FLAGS.get(fix.option, "--" + fix.option.replace("_", "-"))
+    if fix.value is True:
+        return name
+    text = json.dumps(fix.value) if isinstance(fix.value, (dict, list)) else str(fix.value)
+    return "{} {}".format(name, shlex.quote(text))
+
+
 def one_line(exc: BaseException) -> str:
-    """The message ``precise-bn: error:`` is followed by."""
+    """The message ``precise-bn: error:`` is followed by (a checkpoint error's fixes as flags)."""
+    if isinstance(exc, CheckpointError):
+        return join_fixes(exc.message, [as_flag(f) for f in exc.fixes], exc.fixes)
     if isinstance(exc, PreciseBNError):
         return str(exc)
     return "{} ({}); --debug shows the traceback".format(summary(exc), origin(exc))

@@ -20,17 +20,19 @@ from torch import nn
 
 from .. import distributed
 from ..api import recalibrate
-from ..checkpoint.formats import load_checkpoint, provenance, save_checkpoint, set_provenance, write_file
+from ..checkpoint.formats import load_checkpoint, save_checkpoint
 from ..checkpoint.paths import check_paths
+from ..checkpoint.provenance import provenance, set_provenance
+from ..checkpoint.serializers import write_file
 from ..checkpoint.state import Checkpoint, apply_bn_stats, bn_stats_of, load_into_model, match_model
 from ..distributed import ACTIVE, Ranks
-from ..errors import ConfigError, LayerError, PreciseBNError
+from ..errors import CheckpointError, ConfigError, Fix, LayerError, PreciseBNError
 from ..options import Options
 from ..pytorch.layers import no_layer_message, select_layers
 from ..report import BNReport
 from .data_specs import data_files, resolve_data
 from .failures import BlamedBatches, blame, blamed_on, raised_in_package
-from .specs import resolve_model
+from .specs import build_on_meta, resolve_model, same_family
 
 logger = logging.getLogger("precise_bn")
 
@@ -64,13 +66,44 @@ def _load_model(ckpt: Checkpoint, model: Union[str, nn.Module], model_kwargs: Op
     """The model with the checkpoint's tensors in it, and the key prefix they sit under."""
     with blamed_on(_label(model, "--model")):
         net = model if isinstance(model, nn.Module) else resolve_model(model, model_kwargs)
-    prefix = match_model(ckpt, net.state_dict(), prefix)
+    try:
+        prefix = match_model(ckpt, net.state_dict(), prefix)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.message, *_model_fixes(exc, ckpt, model, model_kwargs or {}, prefix)) from exc
     if prefix:
         logger.info("the model's keys sit under the prefix %r", prefix)
     load_into_model(net, ckpt, prefix)
     if not select_layers(net):
         raise LayerError("nothing to recompute in {}: {}".format(ckpt.path, no_layer_message(net)))
     return net, prefix
+
+
+def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Module],
+                 model_kwargs: Mapping[str, Any], prefix: Optional[str]) -> List[Fix]:
+    """``exc``'s fixes (a ``model_kwargs`` one keeping the kwargs given); when they do not
+    already fix it, up to three other models of ``model``'s family whose keys and shapes match
+    the checkpoint, perhaps once given the checkpoint's number of classes."""
+    fixes = [Fix(f.option, dict(model_kwargs, **f.value), f.why) if f.option == "model_kwargs" else f
+             for f in exc.fixes]
+    search = isinstance(model, str) and not fixes
+    for spec in same_family(model) if search else []:
+        if sum(f.option == "model" for f in fixes) == 3:
+            break
+        net = build_on_meta(spec, model_kwargs)
+        if net is None:
+            continue
+        try:
+            match_model(ckpt, net.state_dict(), prefix)
+        except CheckpointError as other:
+            head = [f for f in other.fixes if f.option == "model_kwargs"]
+            if head and not any(f.option == "prefix" for f in other.fixes):
+                fixes.append(Fix("model", spec, "(with {}, its keys and shapes match the checkpoint)".format(
+                    ", ".join("{}={}".format(k, v) for k, v in head[0].value.items()))))
+                if not any(f.option == "model_kwargs" for f in fixes):
+                    fixes.append(Fix("model_kwargs", dict(model_kwargs, **head[0].value), "(with that model)"))
+            continue
+        fixes.append(Fix("model", spec, "(its keys and shapes match the checkpoint)"))
+    return fixes
 
 
 def _measure(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
@@ -99,6 +132,7 @@ def recompute_checkpoint(
     in_place: bool = False,
     report_path: Optional[str] = None,
     break_hardlinks: bool = False,
+    overwrite: bool = False,
     key: Optional[str] = None,
     prefix: Optional[str] = None,
     trust: bool = False,
@@ -114,8 +148,9 @@ def recompute_checkpoint(
     those of :func:`precise_bn.recompute`; without a budget (``num_batches``, ``num_samples``,
     ``rtol``), 200 batches as in fvcore. ``output`` defaults to :func:`default_output`;
     ``in_place`` replaces the input (through a symbolic link, its target). Every output is
-    checked before any work (see :mod:`precise_bn.checkpoint.paths`; ``break_hardlinks``
-    allows replacing a file that has other hard links). Only BN ``running_mean``/``running_var``
+    checked before any work (see :mod:`precise_bn.checkpoint.paths`): an existing file is
+    replaced only with ``overwrite`` (``in_place`` replaces the input), one with other hard
+    links only with ``break_hardlinks`` too. Only BN ``running_mean``/``running_var``
     change in the file written (see :mod:`precise_bn.checkpoint.formats`).
     """
     opts = Options.build("recompute_checkpoint", **options)
@@ -127,7 +162,7 @@ def recompute_checkpoint(
     targets: List[str] = []
     with _together(opts.timeout):
         if distributed.is_main_process():
-            targets = _check_outputs(checkpoint, data, out, report_path, in_place, break_hardlinks)
+            targets = _check_outputs(checkpoint, data, out, report_path, in_place, break_hardlinks, overwrite)
         ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
         logger.info("%s", ckpt.describe())
         net, prefix = _load_model(ckpt, model, model_kwargs, prefix)
@@ -160,13 +195,13 @@ def _write(ckpt: Checkpoint, net: nn.Module, prefix: str, report: BNReport, targ
 
 
 def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], out: str, report_path: Optional[str],
-                   in_place: bool, break_hardlinks: bool) -> List[str]:
+                   in_place: bool, break_hardlinks: bool, overwrite: bool) -> List[str]:
     """The checkpoint and report files to write, checked against the inputs (see
     :func:`~precise_bn.checkpoint.paths.check_paths`)."""
     read = data_files(data) if isinstance(data, str) else []
     inputs = [("the checkpoint", checkpoint)] + [("--data", f) for f in read]
     outputs = [("--in-place" if in_place else "--output", out)] + ([("--report", report_path)] if report_path else [])
-    return check_paths(inputs, outputs, in_place=in_place, break_hardlinks=break_hardlinks)
+    return check_paths(inputs, outputs, in_place=in_place, break_hardlinks=break_hardlinks, overwrite=overwrite)
 
 
 def write_report(path: str, report: BNReport, ckpt: Checkpoint, output: str, prefix: str) -> None:

@@ -6,7 +6,8 @@ import json
 from typing import Any, Dict, Optional, Sequence
 
 from .._version import __version__
-from ..options import DEFAULT_TIMEOUT
+from ..errors import ConfigError
+from ..options import DEFAULT_TIMEOUT, Options
 from .data_specs import CROP_FRACTION
 from .demo import DEFAULT_STEPS
 from .job import DEFAULT_ITERS
@@ -57,6 +58,8 @@ def _add_loading(p: argparse.ArgumentParser) -> None:
 
 
 def _add_writing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace output files that exist already (refused by default: they may hold work)")
     p.add_argument("--break-hardlinks", action="store_true",
                    help="replace an output file that has other hard links (the other names keep the old "
                    "content); refused by default")
@@ -64,7 +67,8 @@ def _add_writing(p: argparse.ArgumentParser) -> None:
 
 DATA_HELP = (
     "package.module:callable (returns an iterable of batches), imagefolder:DIR or npz:FILE[:KEY]. "
-    "imagefolder: reads DIR/CLASS/IMAGE files; each image is resized to size/{:g} on its shorter side, "
+    "imagefolder: reads DIR/CLASS/IMAGE files, or the images directly in DIR when it has no subfolder; "
+    "each image is resized to size/{:g} on its shorter side, "
     "centre-cropped to size (224; --data-kwargs '{{\"size\": 160}}') and normalised with ImageNet's mean and "
     "std: no random transform, so a rerun reads the same pixels".format(CROP_FRACTION)
 )
@@ -116,6 +120,7 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     rec.add_argument("--prefix", help="the model's key prefix in the state dict (default: found by matching)")
     _add_writing(rec)
     _add_loading(rec)
+    rec.set_defaults(command_parser=rec)
 
 
 def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -164,10 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: ``recompute`` flags whose values :class:`~precise_bn.options.Options` checks, by its argument.
+CHECKED_BY_OPTIONS = {"rtol": "--rtol", "device": "--device", "min_batches": "--min-batches"}
+
+
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The arguments of ``argv``, with the checks argparse cannot express; a usage error raises
-    ``SystemExit(2)`` after printing the sub-command's usage."""
+    ``SystemExit(2)`` after printing the sub-command's usage. Values that
+    :class:`~precise_bn.options.Options` refuses are usage errors too, naming the flag."""
     args = build_parser().parse_args(argv)
     if args.command == "inspect" and args.plot and not args.against:
         args.command_parser.error("--plot draws the drift between two checkpoints and needs --against OTHER")
+    for name, flag in CHECKED_BY_OPTIONS.items() if args.command == "recompute" else ():
+        if getattr(args, name) is not None:
+            try:
+                Options(**{name: getattr(args, name)})
+            except ConfigError as exc:
+                args.command_parser.error("argument {}: {}".format(flag, exc))
     return args

@@ -12,14 +12,17 @@ A bare name (``resnet18``) is refused with the spec that most likely was meant.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from typing import Any, Callable, List, Mapping, Optional
 
+import torch
 from torch import nn
 
 from ..errors import BackendUnavailableError, ConfigError
@@ -138,3 +141,34 @@ def resolve_model(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> nn.M
     if not isinstance(model, nn.Module):
         raise ConfigError("--model {!r} returned a {}, not an nn.Module".format(spec, type(model).__name__))
     return model
+
+
+#: At most this many architectures are built when looking for one that fits a checkpoint.
+MAX_CANDIDATES = 30
+
+
+def _meta_device() -> Any:
+    """Build models without allocating or initialising their weights (torch >= 2.0)."""
+    return torch.device("meta") if hasattr(torch.device, "__enter__") else contextlib.nullcontext()
+
+
+def same_family(spec: str) -> List[str]:
+    """The other torchvision or timm model specs whose names start like ``spec``'s (``resnet``
+    for ``torchvision:resnet50``): the candidates when a checkpoint does not fit the model
+    ``spec`` names, the closest names first. None for a ``package.module:callable``."""
+    kind, _, name = spec.partition(":")
+    stem = re.match(r"[a-z]*", name)
+    if kind not in ("torchvision", "timm") or not stem or not stem.group():
+        return []
+    names = [n for n in _model_names(kind) if n.startswith(stem.group()) and n != name]
+    closest = sorted(names, key=lambda n: -difflib.SequenceMatcher(None, name, n).ratio())
+    return ["{}:{}".format(kind, n) for n in closest[:MAX_CANDIDATES]]
+
+
+def build_on_meta(spec: str, kwargs: Mapping[str, Any]) -> Optional[nn.Module]:
+    """:func:`resolve_model` without weights (None when ``kwargs`` do not suit that model)."""
+    try:
+        with _meta_device():
+            return resolve_model(spec, kwargs)
+    except Exception:  # a candidate that cannot be built so is simply not a candidate
+        return None

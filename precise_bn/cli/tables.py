@@ -1,13 +1,8 @@
-"""Text the commands print: aligned tables, counted nouns, and what each reported number means."""
+"""Text the commands print: aligned tables and counted nouns (what each reported number means is
+:func:`precise_bn.report.legend`)."""
 from __future__ import annotations
 
 from typing import List, Sequence
-
-from ..report import DEFINITIONS
-
-#: Column titles of the report tables, and the :data:`~precise_bn.report.DEFINITIONS` entry of each.
-COLUMNS = {"mean drift": "mean_drift", "var drift": "var_drift", "mean se/std": "mean_rel_stderr",
-           "var se/var": "var_rel_stderr"}
 
 
 def counted(count: int, noun: str) -> str:
@@ -22,9 +17,3 @@ def table(rows: List[Sequence[str]]) -> str:
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
         for row in rows
     )
-
-
-def legend(titles: Sequence[str]) -> str:
-    """What the columns ``titles`` hold, one line each, indented under a table."""
-    width = max(len(t) for t in titles)
-    return "\n".join("  {:<{w}}  {}".format(t, DEFINITIONS[COLUMNS[t]], w=width) for t in titles)

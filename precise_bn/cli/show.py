@@ -9,13 +9,15 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checkpoint.formats import load_checkpoint, write_file
+from ..checkpoint.formats import load_checkpoint
 from ..checkpoint.paths import check_paths
+from ..checkpoint.provenance import provenance_of
+from ..checkpoint.serializers import write_file
 from ..checkpoint.state import Checkpoint, bn_layers, prefix_counts
 from ..errors import BackendUnavailableError, ConfigError
-from ..report import LayerReport
+from ..report import LayerReport, legend
 from .specs import load_object
-from .tables import counted, legend, table
+from .tables import counted, table
 
 
 def rules_of(args: argparse.Namespace) -> Any:
@@ -143,10 +145,10 @@ def run(args: argparse.Namespace) -> None:
     if args.plot:
         plot_format(args.plot)
         check_paths([("the checkpoint", args.checkpoint), ("--against", args.against)], [("--plot", args.plot)],
-                    break_hardlinks=args.break_hardlinks)
+                    break_hardlinks=args.break_hardlinks, overwrite=args.overwrite)
     ckpt = load_checkpoint(args.checkpoint, key=args.key, trust=args.trust_checkpoint, rules=rules_of(args))
     print(ckpt.describe())
-    line = provenance_line(ckpt.provenance)
+    line = provenance_line(provenance_of(ckpt))
     if line:
         print(line)
     if args.against is None:

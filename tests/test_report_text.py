@@ -1,0 +1,41 @@
+"""``print(report)``: the table ends with what each column means, as the command prints it, and
+a drift large enough to matter is marked."""
+from __future__ import annotations
+
+import torch
+
+from cli_factories import batches, small_net
+from precise_bn import recompute
+from precise_bn.report import COLUMNS, DEFINITIONS, LARGE_DRIFT
+
+
+def _report(offset: float):
+    torch.manual_seed(0)
+    net = small_net()  # fresh stats (mean 0, var 1); the data's mean is ``offset``, its std 2
+    return recompute(net, batches(offset=offset), progress=False)
+
+
+def test_the_printed_report_ends_with_the_legend():
+    text = [line for line in str(_report(offset=0.0)).splitlines() if not line.startswith("  *")]
+    legend = text[-len(COLUMNS):]
+    assert [line.split()[0:2] for line in legend] == [title.split() for title in COLUMNS]
+    assert all(line.endswith(DEFINITIONS[key]) for line, key in zip(legend, COLUMNS.values()))
+
+
+def test_large_drifts_are_marked_and_the_mark_is_explained():
+    report = _report(offset=3.0)
+    text = str(report).splitlines()
+    assert text[-1] == "  *  a drift of {:g} or more: the old running stats did not fit this data".format(LARGE_DRIFT)
+    rows = {line.split()[0]: line for line in text[2:2 + len(report.layers)]}
+    for layer in report.layers:
+        cells = rows[layer.name].split()
+        for cell, drift in zip(cells[3:5], (layer.mean_drift, layer.var_drift)):
+            assert cell.endswith("*") == (drift >= LARGE_DRIFT), (layer.name, cell, drift)
+    assert any(layer.mean_drift >= LARGE_DRIFT for layer in report.layers)  # the data's mean is 1.5 std away
+
+
+def test_small_drifts_are_not_marked():
+    report = _report(offset=0.0)
+    report.layers = [layer for layer in report.layers if max(layer.mean_drift, layer.var_drift) < LARGE_DRIFT]
+    assert report.layers, "every layer drifted a lot: the test's data no longer makes the case"
+    assert "*" not in str(report)
