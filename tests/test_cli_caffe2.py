@@ -36,7 +36,7 @@ def _caffe2_blobs(net: Caffe2StyleNet):
 
 
 def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path, capsys):
-    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
+    from precise_bn.caffe2.checkpoint import read_caffe2_pickle, save_caffe2_pickle
 
     torch.manual_seed(0)
     net = Caffe2StyleNet()
@@ -49,7 +49,7 @@ def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path, capsys):
         capsys, "recompute", path, "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches", "--output", out,
     )
     assert result.returncode == 0, result.stderr
-    written = load_caffe2_pickle(str(out))
+    written = read_caffe2_pickle(str(out))[1]
     assert sorted(written) == sorted(blobs)
     for name, value in blobs.items():
         if name not in ("res_conv1_bn_rm", "res_conv1_bn_riv"):
@@ -59,7 +59,7 @@ def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path, capsys):
 
 
 def test_caffe2_pickle_with_custom_name_rules(tmp_path):
-    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
+    from precise_bn.caffe2.checkpoint import read_caffe2_pickle, save_caffe2_pickle
 
     torch.manual_seed(0)
     net = Caffe2StyleNet()
@@ -77,14 +77,14 @@ def test_caffe2_pickle_with_custom_name_rules(tmp_path):
             "--output", str(out), "-q"]
     assert main(args) == 1
     assert main(args + ["--caffe2-rules", "cli_factories:STEM_RULES"]) == 0
-    written = load_caffe2_pickle(str(out))
+    written = read_caffe2_pickle(str(out))[1]
     assert sorted(written) == sorted(blobs) and written["stem_w_momentum"].tobytes() == blobs["stem_w_momentum"].tobytes()
     state = {"bn1.running_mean": torch.from_numpy(written["stem_bn_rm"]), "bn1.running_var": torch.from_numpy(written["stem_bn_riv"])}
     _check_against_reference(state, net)
 
 
 def test_convert_caffe2_torch_safetensors_round_trip(tmp_path):
-    from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
+    from precise_bn.caffe2.checkpoint import read_caffe2_pickle, save_caffe2_pickle
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def test_convert_caffe2_torch_safetensors_round_trip(tmp_path):
     assert main(["convert", str(tmp_path / "a.pt"), str(tmp_path / "b.safetensors"), "-q", *TRUST]) == 0
     assert_same_except(dict(sorted(state.items())), dict(sorted(load_file(str(tmp_path / "b.safetensors")).items())), set())
     assert main(["convert", str(tmp_path / "b.safetensors"), str(tmp_path / "out.pkl"), "-q"]) == 0
-    back = load_caffe2_pickle(str(tmp_path / "out.pkl"))
+    back = read_caffe2_pickle(str(tmp_path / "out.pkl"))[1]
     model_blobs = {k: v for k, v in blobs.items() if k not in ("conv1_w_momentum", "lr")}
     assert sorted(back) == sorted(model_blobs)
     assert all(back[k].tobytes() == v.tobytes() for k, v in model_blobs.items())

@@ -171,6 +171,8 @@ def test_every_module_level_function_and_class_is_used_in_the_package():
                 for deco in node.decorator_list:
                     own |= _referenced_names(deco)
         for defined in _defined_names(tree):
+            if defined.startswith("__"):
+                continue  # module protocols (__getattr__, __dir__) are called by Python itself
             if defined not in elsewhere and defined not in own and ":" + defined not in pyproject \
                     and "{}.{}".format(name, defined) not in OBSERVERS:
                 unused.append("precise_bn.{}.{}".format(name, defined))

@@ -174,11 +174,6 @@ def pickle_protocol(path: PathLike) -> int:
         raise CheckpointError("{}: cannot read the pickle's protocol: {}".format(name, exc)) from exc
 
 
-def load_caffe2_pickle(path: PathLike) -> Dict[str, np.ndarray]:
-    """The blobs of a Caffe2 ``.pkl``: blob name -> ndarray (see :func:`read_caffe2_pickle`)."""
-    return read_caffe2_pickle(path)[1]
-
-
 def _with_blobs(root: Any, blobs: Mapping[str, np.ndarray], where: str) -> Any:
     """A shallow copy of ``root`` whose blob dictionary holds ``blobs`` under the keys, dtypes
     and shapes of the blobs they replace (numpy scalars stay scalars); ``root`` is unchanged."""

@@ -265,7 +265,7 @@ def caffe2_to_torch(
     """Caffe2 blobs -> PyTorch state dict, bit for bit (a big-endian blob becomes native-endian).
 
     Args:
-        blobs: blob name -> ndarray, e.g. from :func:`load_caffe2_pickle`.
+        blobs: blob name -> ndarray, e.g. the second item of :func:`~precise_bn.caffe2.checkpoint.read_caffe2_pickle`.
         rules: maps Caffe2 layer names to PyTorch module names: ``[(regex, replacement), ...]``
             (first full match wins; the replacement is a ``re`` template or a function of the
             match) or a callable ``name -> name or None``. Default: :data:`RESNET_RULES`.

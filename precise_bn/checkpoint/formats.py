@@ -31,7 +31,6 @@ import torch
 from ..errors import CheckpointError
 from .serializers import (PICKLE_PROTO, PICKLE_PROTOCOL, ZIP_HEADER, Writer, caffe2_writer, load_safetensors,
                           read_head, safetensors_writer, torch_load, torch_writer, write_file, written_by_torch_save)
-from .serializers import SAFE_LOAD_AVAILABLE  # noqa: F401  (still importable from here, as before)
 from .state import PROVENANCE_KEY, Checkpoint, locate_state_dict
 
 logger = logging.getLogger("precise_bn")

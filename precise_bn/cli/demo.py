@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint.formats import SAFE_LOAD_AVAILABLE
+from ..checkpoint.serializers import SAFE_LOAD_AVAILABLE
 from ..digits import BATCH_SIZE, LEARNING_RATE, evaluate, load_digits, make_model, train
 from ..report import BNReport
 from .job import recompute_checkpoint
