@@ -13,7 +13,7 @@ from torch import nn
 
 from . import driver
 from .data import move_to_device, smart_forward, whole_batch_forward
-from .options import DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, ForwardFn, LayerSpec, Options
+from .options import DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec, Options
 from .pytorch.bn_pass import BNPass
 from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
@@ -78,11 +78,8 @@ def recompute(
         A :class:`~precise_bn.BNReport`: per layer, elements and calls seen, old and new stats,
         drift and standard errors; why the pass stopped and what it read.
     """
-    opts = Options(
-        num_batches=num_batches, num_samples=num_samples, forward_fn=forward_fn, device=device, layers=layers,
-        exact=exact, autocast=autocast, sync=sync, group=group, unbiased=unbiased, progress=progress, rtol=rtol,
-        min_batches=min_batches, timeout=timeout, log_period=log_period,
-    )
+    given = locals()
+    opts = Options(**{name: given[name] for name in OPTION_FIELDS})
     return recalibrate(model, data, opts)
 
 

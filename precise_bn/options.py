@@ -92,25 +92,48 @@ def _timeout(value: Any) -> float:
     return float(seconds)
 
 
+def _option(default: Any, meaning: str) -> Any:
+    """A field of :class:`Options` with its meaning: the one text the README's option table, the
+    command's ``--help`` and the hooks' documentation all show (``tests/test_options_agree.py``)."""
+    return dataclasses.field(default=default, metadata={"help": meaning})
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """How one recalibration runs. See :func:`precise_bn.recompute` for each field's meaning."""
+    """How one recalibration runs; each field's meaning is in its metadata (:func:`option_help`)."""
 
-    num_batches: Optional[int] = None
-    num_samples: Optional[int] = None
-    forward_fn: Optional[ForwardFn] = None
-    device: Optional[torch.device] = None
-    layers: LayerSpec = None
-    exact: bool = False
-    autocast: Union[None, bool, torch.dtype] = None
-    sync: Optional[bool] = None
-    group: Any = None
-    unbiased: bool = False
-    progress: Optional[bool] = None
-    rtol: Optional[float] = None
-    min_batches: int = DEFAULT_MIN_BATCHES
-    log_period: Optional[int] = 20
-    timeout: float = DEFAULT_TIMEOUT
+    num_batches: Optional[int] = _option(
+        None, "read at most this many batches; with neither budget, the whole of `data` (or until `rtol` is met)")
+    num_samples: Optional[int] = _option(None, "stop once this many samples were read (a batch is never cut)")
+    forward_fn: Optional[ForwardFn] = _option(
+        None, "`forward_fn(model, batch)`, any calling convention; by default a tensor is `model(batch)`, "
+        "`(input, target, ...)` is `model(batch[0])`, `{\"input\": x, ...}` is `model(x)`, anything else "
+        "`model(batch)`")
+    device: Optional[torch.device] = _option(None, "move every tensor nested in a batch there first")
+    layers: LayerSpec = _option(
+        None, "`None`: BN layers in training mode (all of them if the whole model is in eval mode); `\"all\"`; "
+        "or a list of modules / qualified names")
+    exact: bool = _option(
+        False, "measure every call in float64 from its input: variance within 1e-7 relative even when "
+        "mean/std = 1e4, in every layout (default: the kernel's float32 statistics, with the channels that "
+        "may miss 1e-3 named)")
+    autocast: Union[None, bool, torch.dtype] = _option(
+        None, "run the forward under `torch.autocast` (`True` or a dtype); BN stays float32")
+    sync: Optional[bool] = _option(
+        None, "merge across ranks (`None`: whenever a process group spans several processes)")
+    group: Any = _option(None, "the process group to merge over (`None`: the default group)")
+    unbiased: bool = _option(False, "write `M2 / (n - 1)` instead of the population variance `M2 / n`")
+    progress: Optional[bool] = _option(
+        None, "a progress bar on stderr (`None`: when stderr is a terminal); its total is what will really be read")
+    rtol: Optional[float] = _option(
+        None, "stop early once, for every channel, `mean_stderr <= rtol * std` and `var_stderr <= rtol * var` "
+        "(checked every 8 batches, after `min_batches` batches)")
+    min_batches: int = _option(DEFAULT_MIN_BATCHES, "batches read, over all ranks, before `rtol` may stop the pass")
+    timeout: float = _option(
+        DEFAULT_TIMEOUT, "seconds a rank waits for the others before raising `DistributedError` "
+        "(`None` or `inf`: no limit)")
+    log_period: Optional[int] = _option(
+        20, "without a bar, a log line (logger `precise_bn`) every this many batches (`None`: none)")
 
     def __post_init__(self) -> None:
         _positive_int("num_batches", self.num_batches)
@@ -159,3 +182,19 @@ def check_names(where: str, given: Any, known: Sequence[str]) -> None:
             close = difflib.get_close_matches(name, known, n=1)
             hint = "; did you mean {!r}?".format(close[0]) if close else ""
             raise TypeError("{}() got an unexpected keyword argument {!r}{}".format(where, name, hint))
+
+
+def option_help(name: str) -> str:
+    """The meaning of option ``name``, as every entry point documents it."""
+    return OPTION_FIELDS[name].metadata["help"]
+
+
+def options_table() -> str:
+    """The README's table of options: name, default and meaning, one row each."""
+    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
+    for name, f in OPTION_FIELDS.items():
+        rows.append("| `{}` | `{!r}` | {} |".format(name, f.default, f.metadata["help"]))
+    return "\n".join(rows)
+
+
+OPTION_FIELDS = {f.name: f for f in dataclasses.fields(Options)}

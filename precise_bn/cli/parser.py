@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from .._version import __version__
 from ..errors import ConfigError
-from ..options import DEFAULT_TIMEOUT, Options
+from ..options import DEFAULT_TIMEOUT, Options, option_help
 from .data_specs import CROP_FRACTION
 from .demo import DEFAULT_STEPS
 from .job import DEFAULT_ITERS
@@ -102,16 +102,15 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_data(rec)
     budget = rec.add_mutually_exclusive_group()
     budget.add_argument("--num-batches", "--num-iters", dest="num_batches", type=_positive_int,
-                        help="batches to use (default {} when neither budget nor --rtol is given)".format(DEFAULT_ITERS))
-    budget.add_argument("--num-samples", type=_positive_int, help="samples to use (a batch is never cut)")
-    rec.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
-    rec.add_argument("--exact", action="store_true", help="measure each BN input in float64 (slower)")
-    rec.add_argument("--rtol", type=float, help="stop once every channel's relative standard error is below this "
-                     "(mean: stderr/std, variance: stderr/var); the budget still applies")
-    rec.add_argument("--min-batches", type=_positive_int, help="batches read before --rtol may stop the pass")
+                        help=option_help("num_batches") + " (default here: {} when neither budget nor --rtol is "
+                        "given)".format(DEFAULT_ITERS))
+    budget.add_argument("--num-samples", type=_positive_int, help=option_help("num_samples"))
+    rec.add_argument("--device", help=option_help("device") + ": cpu, cuda, cuda:1, ... (default cpu)")
+    rec.add_argument("--exact", action="store_true", help=option_help("exact"))
+    rec.add_argument("--rtol", type=float, help=option_help("rtol"))
+    rec.add_argument("--min-batches", type=_positive_int, help=option_help("min_batches"))
     rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                     help="under torchrun, how long a rank waits for the others before failing "
-                     "(default %(default)g)")
+                     help=option_help("timeout") + ", under torchrun (default %(default)g)")
     where = rec.add_mutually_exclusive_group()
     where.add_argument("--output", help="file to write (default: NAME.precise_bn.EXT next to the input)")
     where.add_argument("--in-place", action="store_true",
