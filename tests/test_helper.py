@@ -71,17 +71,17 @@ def test_cache_same_iteration_reapplies_without_forward():
         model.bn.running_mean.add_(5)
         model.bn.running_var.mul_(3)
     helper.compute_and_update_bn_stats(curr_iter=100)
-    assert model.forwards == 3 and helper.runs == 1
+    assert model.forwards == 3 and helper.recomputations == 1
     assert torch.equal(model.bn.running_mean, stats[0]) and torch.equal(model.bn.running_var, stats[1])
 
     # A new iteration recomputes on the next batches: the source wraps around after batch 5.
     wrapped = data[3:] + data[:1]
     ref_mean, ref_var, _ = float64_reference(model, wrapped)["bn"]
     helper.compute_and_update_bn_stats(curr_iter=200)
-    assert model.forwards == 6 and helper.runs == 2
+    assert model.forwards == 6 and helper.recomputations == 2
     assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
     helper.compute_and_update_bn_stats()
-    assert helper.runs == 3
+    assert helper.recomputations == 3
 
 
 def test_options_pass_through_to_update_bn_stats():

@@ -1,6 +1,7 @@
 """Which BatchNorm layers of a PyTorch model a pass recomputes, and the module it runs on."""
 from __future__ import annotations
 
+import difflib
 import logging
 from typing import List, Tuple
 
@@ -57,14 +58,18 @@ def _check(name: str, module: _BatchNorm) -> None:
         )
 
 
-def _by_spec(model: nn.Module, layers: LayerSpec) -> List[NamedLayer]:
+def by_spec(model: nn.Module, layers: LayerSpec) -> List[NamedLayer]:
+    """The layers a list of modules or qualified names designates; a ConfigError names the first
+    that is not a tracking BN layer of ``model`` (hooks check this when they are built)."""
     by_name = dict(model.named_modules())
     ids = {id(m): n for n, m in model.named_modules()}
     chosen: List[NamedLayer] = []
     for item in layers or ():
         if isinstance(item, str):
             if item not in by_name:
-                raise ConfigError("layers: no module named {!r} in the model".format(item))
+                close = difflib.get_close_matches(item, [n for n, m in by_name.items() if is_tracking_bn(m)], n=1)
+                raise ConfigError("layers: no module named {!r} in the model{}".format(
+                    item, "; did you mean {!r}?".format(close[0]) if close else ""))
             name, module = item, by_name[item]
         else:
             if id(item) not in ids:
@@ -99,7 +104,7 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
             raise ConfigError("layers must be None, 'all' or a list of modules/names, got {!r}".format(layers))
         chosen = named
     else:
-        chosen = _by_spec(model, layers)
+        chosen = by_spec(model, layers)
     for name, module in chosen:
         _check(name, module)
     return chosen  # type: ignore[return-value]
