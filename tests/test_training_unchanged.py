@@ -1,0 +1,138 @@
+"""Precise BN leaves the training run bit for bit as it would have been without it: the same
+plain loop and the same Lightning run, trained with and without the integration, end with
+identical parameters, and the training loop reads every one of its batches."""
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Optional
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from precise_bn.hooks import PreciseBNHook
+
+
+class Augmented(Dataset):
+    """Each sample drawn with torch, numpy and ``random``, as augmentations do; records which
+    indices were read (in the main process)."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, 3, 6, 6, generator=g) * 2 + 1
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.read: List[int] = []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        self.read.append(index)
+        noise = torch.randn(3, 6, 6) * 0.1 + float(np.random.rand()) * 0.1 + random.random() * 0.1
+        return self.x[index] + noise, self.y[index]
+
+
+def make_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(),
+                         nn.Linear(64, 3), nn.BatchNorm1d(3))
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def assert_same_parameters(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def plain_run(with_hook: bool, generator: Optional[torch.Generator], workers: int) -> Dict[str, torch.Tensor]:
+    seed_all(0)
+    if generator is not None:
+        generator.manual_seed(7)
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = DataLoader(Augmented(48), batch_size=8, shuffle=True, generator=generator, num_workers=workers,
+                        persistent_workers=workers > 0)
+    hook = PreciseBNHook(net, loader, num_batches=2) if with_hook else None
+    step = 0
+    for _ in range(2):
+        for x, y in loader:
+            net.train()
+            optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            step += 1
+            if hook is not None and step % 2 == 0:
+                hook.before_eval(step)
+                hook.before_checkpoint(step)
+    assert step == 12  # every batch of both epochs reached the loop
+    if hook is not None:
+        assert hook.recomputations == 6
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_plain_loop_unchanged_by_the_hook(own_generator):
+    generator = torch.Generator() if own_generator else None
+    assert_same_parameters(plain_run(True, generator, 0), plain_run(False, generator, 0))
+
+
+def test_plain_loop_with_persistent_workers_unchanged_by_the_hook():
+    assert_same_parameters(plain_run(True, None, 1), plain_run(False, None, 1))
+
+
+lightning = pytest.importorskip("lightning")
+
+
+class LitNet(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+        self.samples_trained = 0
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.samples_trained += len(x)
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def lightning_run(with_callback: bool, workers: int) -> Dict[str, torch.Tensor]:
+    from precise_bn.lightning import PreciseBNCallback
+
+    seed_all(0)
+    module = LitNet()
+    train = DataLoader(Augmented(48), batch_size=8, shuffle=True, num_workers=workers,
+                       persistent_workers=workers > 0)
+    val = DataLoader(Augmented(16), batch_size=8)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, num_sanity_val_steps=0, val_check_interval=0.5,
+        callbacks=[PreciseBNCallback(num_batches=2)] if with_callback else [],
+    )
+    trainer.fit(module, train, val)
+    assert module.samples_trained == 2 * 48  # the training loop read every sample of both epochs
+    if with_callback:
+        assert trainer.callbacks[0].hook.recomputations == 4  # validation twice an epoch
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.main_env
+@pytest.mark.parametrize("workers", [0, 1])
+def test_lightning_run_unchanged_by_the_callback(workers):
+    assert_same_parameters(lightning_run(True, workers), lightning_run(False, workers))
