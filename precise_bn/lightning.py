@@ -71,7 +71,8 @@ def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoa
 
 class _TrainingData:
     """The trainer's current training DataLoader, looked up at each new pass over the data
-    (Lightning may rebuild it between epochs), read through :func:`precise_bn.data.separate`."""
+    (Lightning may rebuild it between epochs), read through :func:`precise_bn.data.separate`.
+    After ``fit`` (a ``validate`` that follows it) the last one ``fit`` had is read."""
 
     def __init__(self, trainer: "pl.Trainer"):
         self.trainer = trainer
@@ -80,12 +81,11 @@ class _TrainingData:
     @property
     def loader(self) -> Optional[torch.utils.data.DataLoader]:
         """What is read (:func:`precise_bn.rng.loader_generators` looks for its generators)."""
-        return _training_loader(self.trainer)
+        loader = _training_loader(self.trainer)
+        return self._current[0] if loader is None else loader
 
     def __iter__(self) -> Iterator[Any]:
         loader = self.loader
-        if loader is None:
-            raise ConfigError("PreciseBNCallback: the trainer has no training dataloader any more; pass data=...")
         if self._current[0] is not loader:
             self._current = loader, separate(loader)
         return iter(self._current[1])
@@ -136,6 +136,7 @@ class PreciseBNCallback(pl.Callback):
         self.data = data
         self.attribute = attribute
         self.hook: Optional[PreciseBNHook] = None
+        self._training: Optional[_TrainingData] = None
         self._train_layers: Optional[List[str]] = None
         self._warned_no_data = False
 
@@ -168,8 +169,7 @@ class PreciseBNCallback(pl.Callback):
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit may bring another trainer, model or dataloader: start from scratch.
-        self.hook = None
-        self._train_layers = None
+        self.hook = self._training = self._train_layers = None
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.data is None:
@@ -222,8 +222,10 @@ class PreciseBNCallback(pl.Callback):
         if self.hook is not None and self.hook.model is target:
             return self.hook
         data = self.data
+        if data is None and self._training is None and _training_loader(trainer) is not None:
+            self._training = _TrainingData(trainer)
         if data is None:
-            if _training_loader(trainer) is None:
+            if self._training is None:
                 if not self._warned_no_data and trainer.is_global_zero:
                     warnings.warn(
                         "PreciseBNCallback: no training dataloader (validate() outside fit()?) and "
@@ -233,7 +235,7 @@ class PreciseBNCallback(pl.Callback):
                     )
                 self._warned_no_data = True
                 return None
-            data = _TrainingData(trainer)
+            data = self._training
         changes: Dict[str, Any] = {}
         if self.options.device is None:
             changes["device"] = pl_module.device

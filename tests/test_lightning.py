@@ -191,3 +191,56 @@ def test_falls_back_to_pytorch_lightning_then_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
     with pytest.raises(BackendUnavailableError, match="pip install"):
         importlib.import_module("precise_bn.lightning")
+
+
+def fit_with_checkpoints(tmp_path: Path):
+    """TinyNet fitted for 2 epochs (steps 4 and 8 validated and saved); the batches each
+    recomputation read, by call."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    used = []
+
+    def recording_forward(module, batch):
+        used.append(batch)
+        return default_forward(module, batch)
+
+    callback = PreciseBNCallback(num_batches=3, forward_fn=recording_forward)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, callbacks=[callback, ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)],
+    )
+    trainer.fit(net, loader(32, seed=1), loader(16, seed=2))
+    return net, trainer, callback, used
+
+
+def assert_validated_with_recomputed(module: TinyNet, batches) -> None:
+    """What validation saw is what recompute gives the module's current weights on ``batches``."""
+    replay = copy.deepcopy(module)
+    recompute(replay.model, batches)
+    expected = bn_stats(replay.model)
+    (seen,) = module.validated.values()
+    for name, (mean, var) in expected.items():
+        assert torch.equal(seen[name][0], mean) and torch.equal(seen[name][1], var), name
+
+
+def test_validate_a_checkpoint_after_fit_recomputes_for_its_weights(tmp_path: Path):
+    net, trainer, callback, used = fit_with_checkpoints(tmp_path)
+    fitted = bn_stats(net.model)
+    (step4,) = tmp_path.glob("*step=4.ckpt")
+    net.validated, used[:] = {}, []
+    trainer.validate(net, loader(16, seed=2), ckpt_path=str(step4), verbose=False)
+    assert trainer.global_step == 8 and len(used) == 3 and callback.hook.recomputations == 3
+    assert_validated_with_recomputed(net, used)
+    (seen,) = net.validated.values()
+    assert not torch.equal(seen["1"][1], fitted["1"][1])  # not the stats cached at step 8
+
+
+def test_validate_another_module_after_fit_recomputes_for_it(tmp_path: Path):
+    net, trainer, callback, used = fit_with_checkpoints(tmp_path)
+    (step4,) = tmp_path.glob("*step=4.ckpt")
+    other = TinyNet.load_from_checkpoint(step4)
+    used[:] = []
+    trainer.validate(other, loader(16, seed=2), verbose=False)
+    assert len(used) == 3 and callback.hook.model is other
+    assert_validated_with_recomputed(other, used)
+    assert not torch.equal(bn_stats(other.model)["1"][1], bn_stats(net.model)["1"][1])
