@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from precise_bn import BackendUnavailableError, ConfigError, PreciseBNWarning, recompute
+from precise_bn import BackendUnavailableError, BatchError, ConfigError, PreciseBNWarning, recompute
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.lightning import PreciseBNCallback
 from reference import assert_close_default, float64_reference
@@ -244,3 +244,92 @@ def test_validate_another_module_after_fit_recomputes_for_it(tmp_path: Path):
     assert len(used) == 3 and callback.hook.model is other
     assert_validated_with_recomputed(other, used)
     assert not torch.equal(bn_stats(other.model)["1"][1], bn_stats(net.model)["1"][1])
+
+
+def small_trainer(**kwargs) -> lightning.Trainer:
+    settings = dict(max_steps=2, accelerator="cpu", devices=1, enable_progress_bar=False,
+                    enable_model_summary=False, logger=False, num_sanity_val_steps=0)
+    settings.update(kwargs)
+    return lightning.Trainer(**settings)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"attribute": "modle"}, "'modle'.*did you mean 'model'"),
+    ({"layers": ["9"]}, "no module named '9'"),
+    ({"attribute": "model", "layers": ["model.1"]}, "no module named 'model.1'.*did you mean '1'"),
+])
+def test_attribute_and_layers_fail_at_setup_before_training(kwargs, match):
+    net = TinyNet()
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    trainer = small_trainer(callbacks=[PreciseBNCallback(num_batches=2, **kwargs)])
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(net, loader(16, seed=1), loader(8, seed=2))
+    assert all(torch.equal(p, before[name]) for name, p in net.named_parameters())  # not one step trained
+
+
+@pytest.mark.parametrize("name, hint", [("atribute", "attribute"), ("num_batchs", "num_batches"),
+                                        ("dta", "data"), ("exatc", "exact")])
+def test_misspelt_arguments_get_the_right_hint(name, hint):
+    with pytest.raises(TypeError, match="PreciseBNCallback.*{!r}; did you mean {!r}".format(name, hint)):
+        PreciseBNCallback(**{name: None})
+
+
+class DictNet(TinyNet):
+    def forward(self, x):
+        return self.model(x["image"])
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch), batch["label"])
+
+
+class DictBatches(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"image": self.x[i], "label": self.y[i]}
+
+
+def test_a_dict_batch_without_forward_fn_is_a_batch_error():
+    trainer = small_trainer(callbacks=[PreciseBNCallback(num_batches=2, attribute="model")],
+                            val_check_interval=1)
+    with pytest.raises(BatchError, match="'image'.*forward_fn"):
+        trainer.fit(DictNet(), DataLoader(DictBatches(16), batch_size=8), loader(8, seed=2))
+
+
+def test_a_training_loader_that_is_not_a_dataloader_is_refused_before_training():
+    net = TinyNet()
+    trainer = small_trainer(callbacks=[PreciseBNCallback(num_batches=2)])
+    batches = [(x, y) for x, y in loader(16, seed=1)]
+
+    class Stream:  # Lightning takes any iterable; iterating this one might well consume a stream
+        def __iter__(self):
+            return iter(batches)
+
+    with pytest.raises(ConfigError, match="Stream, not a torch DataLoader.*pass data="):
+        trainer.fit(net, Stream(), loader(8, seed=2))
+
+
+def test_weights_only_checkpoints(tmp_path: Path):
+    """At validation end they hold the validated stats; on a step count they do not, with a warning."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    callbacks = [PreciseBNCallback(num_batches=3),
+                 ModelCheckpoint(dirpath=tmp_path / "val", save_weights_only=True, save_top_k=-1),
+                 ModelCheckpoint(dirpath=tmp_path / "steps", save_weights_only=True, save_top_k=-1,
+                                 every_n_train_steps=4)]
+    trainer = small_trainer(max_steps=-1, max_epochs=2, callbacks=callbacks)
+    with pytest.warns(PreciseBNWarning, match="weights-only.*step count"):
+        trainer.fit(net, loader(32, seed=1), loader(16, seed=2))
+    assert sorted(net.validated) == [4, 8]
+    for path in sorted((tmp_path / "val").glob("*.ckpt")):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        seen = net.validated[checkpoint["global_step"]]
+        for name, (mean, var) in seen.items():
+            assert torch.equal(checkpoint["state_dict"]["model." + name + ".running_var"], var), (path, name)
+    stepped = torch.load(tmp_path / "steps" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
+    assert not torch.equal(stepped["state_dict"]["model.1.running_var"], net.validated[4]["1"][1])
