@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from precise_bn import BatchNormHelper, ConfigError
+from precise_bn import BatchError, BatchNormHelper, ConfigError
 from reference import assert_close_default, float64_reference
 
 
@@ -134,3 +134,15 @@ def test_options_are_checked_when_the_helper_is_built():
         BatchNormHelper(exatc=True)
     with pytest.raises(ConfigError, match="iters"):
         BatchNormHelper(iters=0)
+
+
+def test_misspelt_settings_get_the_hint_among_the_helper_settings():
+    with pytest.raises(TypeError, match="BatchNormHelper.*'iter'; did you mean 'iters'"):
+        BatchNormHelper(iter=3)
+
+
+def test_a_dict_batch_without_forward_fn_is_a_batch_error():
+    helper = BatchNormHelper(iters=2)
+    helper.create_bn_aux_model(Counting(), [{"image": x} for x in _data(2)])
+    with pytest.raises(BatchError, match="'image'.*forward_fn"):
+        helper.compute_and_update_bn_stats(1)
