@@ -52,18 +52,22 @@ def assert_same_parameters(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor
         assert torch.equal(a[name], b[name]), name
 
 
-def plain_run(with_hook: bool, generator: Optional[torch.Generator], workers: int) -> Dict[str, torch.Tensor]:
+def plain_run(with_hook: bool, generator: Optional[torch.Generator], workers: int,
+              device: str = "cpu") -> Dict[str, torch.Tensor]:
     seed_all(0)
+    if device == "cuda":
+        torch.cuda.manual_seed_all(0)
     if generator is not None:
         generator.manual_seed(7)
-    net = make_net()
+    net = make_net().to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     loader = DataLoader(Augmented(48), batch_size=8, shuffle=True, generator=generator, num_workers=workers,
                         persistent_workers=workers > 0)
-    hook = PreciseBNHook(net, loader, num_batches=2) if with_hook else None
+    hook = PreciseBNHook(net, loader, num_batches=2, device=device) if with_hook else None
     step = 0
     for _ in range(2):
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             net.train()
             optimizer.zero_grad()
             F.cross_entropy(net(x), y).backward()
@@ -86,6 +90,11 @@ def test_plain_loop_unchanged_by_the_hook(own_generator):
 
 def test_plain_loop_with_persistent_workers_unchanged_by_the_hook():
     assert_same_parameters(plain_run(True, None, 1), plain_run(False, None, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (dropout's CUDA generator)")
+def test_plain_loop_on_cuda_unchanged_by_the_hook():
+    assert_same_parameters(plain_run(True, None, 0, "cuda"), plain_run(False, None, 0, "cuda"))
 
 
 lightning = pytest.importorskip("lightning")
