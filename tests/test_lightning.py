@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from precise_bn import BackendUnavailableError, BatchError, ConfigError, PreciseBNWarning, recompute
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.lightning import PreciseBNCallback
+import test_training_unchanged as unchanged
 from reference import assert_close_default, float64_reference
 
 pytestmark = pytest.mark.main_env
@@ -333,3 +334,47 @@ def test_weights_only_checkpoints(tmp_path: Path):
             assert torch.equal(checkpoint["state_dict"]["model." + name + ".running_var"], var), (path, name)
     stepped = torch.load(tmp_path / "steps" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
     assert not torch.equal(stepped["state_dict"]["model.1.running_var"], net.validated[4]["1"][1])
+
+
+class AugmentedLitNet(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = unchanged.make_net()
+        self.samples_trained = 0
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.samples_trained += len(x)
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def augmented_run(with_callback: bool, workers: int) -> dict:
+    unchanged.seed_all(0)
+    module = AugmentedLitNet()
+    train = DataLoader(unchanged.Augmented(48), batch_size=8, shuffle=True, num_workers=workers,
+                       persistent_workers=workers > 0)
+    val = DataLoader(unchanged.Augmented(16), batch_size=8)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, num_sanity_val_steps=0, val_check_interval=0.5,
+        callbacks=[PreciseBNCallback(num_batches=2)] if with_callback else [],
+    )
+    trainer.fit(module, train, val)
+    assert module.samples_trained == 2 * 48  # the training loop read every sample of both epochs
+    if with_callback:
+        assert trainer.callbacks[0].hook.recomputations == 4  # validation twice an epoch
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_lightning_run_unchanged_by_the_callback(workers):
+    unchanged.assert_same_parameters(augmented_run(True, workers), augmented_run(False, workers))

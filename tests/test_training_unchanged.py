@@ -1,6 +1,6 @@
 """Precise BN leaves the training run bit for bit as it would have been without it: the same
-plain loop and the same Lightning run, trained with and without the integration, end with
-identical parameters, and the training loop reads every one of its batches."""
+plain loop, trained with and without the hook, ends with identical parameters, and the loop
+reads every one of its batches (the same Lightning run: ``tests/test_lightning.py``)."""
 from __future__ import annotations
 
 import random
@@ -96,52 +96,3 @@ def test_plain_loop_with_persistent_workers_unchanged_by_the_hook():
 def test_plain_loop_on_cuda_unchanged_by_the_hook():
     assert_same_parameters(plain_run(True, None, 0, "cuda"), plain_run(False, None, 0, "cuda"))
 
-
-lightning = pytest.importorskip("lightning")
-
-
-class LitNet(lightning.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = make_net()
-        self.samples_trained = 0
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.samples_trained += len(x)
-        return F.cross_entropy(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        pass
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def lightning_run(with_callback: bool, workers: int) -> Dict[str, torch.Tensor]:
-    from precise_bn.lightning import PreciseBNCallback
-
-    seed_all(0)
-    module = LitNet()
-    train = DataLoader(Augmented(48), batch_size=8, shuffle=True, num_workers=workers,
-                       persistent_workers=workers > 0)
-    val = DataLoader(Augmented(16), batch_size=8)
-    trainer = lightning.Trainer(
-        max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
-        logger=False, enable_checkpointing=False, num_sanity_val_steps=0, val_check_interval=0.5,
-        callbacks=[PreciseBNCallback(num_batches=2)] if with_callback else [],
-    )
-    trainer.fit(module, train, val)
-    assert module.samples_trained == 2 * 48  # the training loop read every sample of both epochs
-    if with_callback:
-        assert trainer.callbacks[0].hook.recomputations == 4  # validation twice an epoch
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
-
-
-@pytest.mark.main_env
-@pytest.mark.parametrize("workers", [0, 1])
-def test_lightning_run_unchanged_by_the_callback(workers):
-    assert_same_parameters(lightning_run(True, workers), lightning_run(False, workers))
