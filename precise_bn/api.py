@@ -152,6 +152,7 @@ def recalibrate(
         forward = opts.forward_fn or default_forward
         return BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
                       autocast=opts.autocast,
-                      explain_batches=forward is smart_forward if explain_batches is None else explain_batches)
+                      explain_batches=(opts.forward_fn is None and forward is smart_forward) if explain_batches is None
+                      else explain_batches)
 
     return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=on_write)
