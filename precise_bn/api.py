@@ -136,14 +136,20 @@ def recalibrate(
     *,
     budget_name: str = "num_batches",
     on_write: Optional[Callable[[BNReport], Any]] = None,
+    explain_batches: Optional[bool] = None,
 ) -> BNReport:
     """Recalibrate ``model`` on ``data`` with ``opts`` (see :func:`precise_bn.driver.recalibrate`);
-    ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None."""
+    ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None.
+    ``explain_batches``: turn a batch the model refuses into a BatchError (default: when the
+    batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the
+    default forward in its own says so)."""
 
     def make_backend() -> BNPass:
         net = unwrap_model(model)
         forward = opts.forward_fn or default_forward
         return BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
-                      autocast=opts.autocast, explain_batches=opts.forward_fn is None and forward is smart_forward)
+                      autocast=opts.autocast,
+                      explain_batches=(opts.forward_fn is None and forward is smart_forward) if explain_batches is None
+                      else explain_batches)
 
     return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=on_write)

@@ -80,7 +80,7 @@ class PreciseBatchNormHook(ClassyHook):
         self.num_samples = num_samples
         self.cache_samples = bool(cache_samples)
         self.options = Options.build("PreciseBatchNormHook", num_samples=math.ceil(num_samples),
-                                     forward_fn=_forward_input, **options)
+                                     forward_fn=_forward_input, also_known=("cache_samples",), **options)
         self._cached: List[Any] = []
         self._cached_samples = 0
 

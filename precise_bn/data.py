@@ -1,11 +1,14 @@
 """How batches reach the model: calling conventions, device moves, sample counts, budgets."""
 from __future__ import annotations
 
+import collections.abc
+import copy
 from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .errors import EmptyDataError, warn
 from .options import ForwardFn
 
 
@@ -124,28 +127,54 @@ def batches_for_samples(done: int, samples: int, num_samples: int, cap: Optional
     return cap if total is None else total if cap is None else min(total, cap)
 
 
+def separate(data: Iterable[Any]) -> Iterable[Any]:
+    """``data`` itself, or for a DataLoader with persistent workers a shallow copy with an
+    iterator and workers of its own. Such a loader keeps one iterator per object and resets it
+    on every ``iter()``: iterating the training loop's loader for a recomputation would cut the
+    loop's epoch short."""
+    if isinstance(data, torch.utils.data.DataLoader) and data.persistent_workers:
+        data = copy.copy(data)
+        data._iterator = None
+    return data
+
+
+_END = object()
+
+
 class CyclingBatches:
     """An endless iterator over a finite iterable that starts a new pass when one runs out.
 
     Kept across calls by the helper and the hooks so that successive recalibrations see fresh
     batches and never silently get fewer than asked. Raises ``StopIteration`` only when a whole
-    new pass yields nothing (an empty data source).
+    new pass yields nothing (an empty data source). A single-pass source (an iterator, such as
+    a generator) cannot start a new pass: it is accepted with a warning, and running out of it
+    raises :class:`~precise_bn.errors.EmptyDataError` saying so.
     """
 
     def __init__(self, data: Iterable[Any]):
-        self.data = data
+        self.data = separate(data)
         self.passes = 0
+        self.read = 0
         self._it: Optional[Iterator[Any]] = None
+        self.single_pass = isinstance(data, collections.abc.Iterator)
+        if self.single_pass:
+            warn("the data is a single-pass {} that cannot start again: recomputations after it runs "
+                 "out will fail; pass a list of batches or a DataLoader".format(type(data).__name__))
 
     def __iter__(self) -> "CyclingBatches":
         return self
 
     def __next__(self) -> Any:
-        if self._it is not None:
-            try:
-                return next(self._it)
-            except StopIteration:
-                pass
-        self._it = iter(self.data)
-        self.passes += 1
-        return next(self._it)
+        batch = _END if self._it is None else next(self._it, _END)
+        if batch is _END:
+            if self.single_pass and self._it is not None:
+                raise EmptyDataError(
+                    "the data, a single-pass {}, ran out after {} batches and cannot start again: "
+                    "pass a list of batches or a DataLoader (anything iter() restarts)".format(
+                        type(self.data).__name__, self.read))
+            self._it = iter(self.data)
+            self.passes += 1
+            batch = next(self._it)
+        self.read += 1
+        return batch
+

@@ -23,7 +23,8 @@ from torch import nn
 from .errors import ConfigError
 from .options import Options
 from .report import BNReport
-from .step_cache import StepCache, TorchJob
+from .step_cache import StepCache
+from .torch_aux import TorchAuxModel
 
 # The original tool's config keys and the settings they map to.
 CONFIG_KEYS = {
@@ -104,7 +105,8 @@ class BatchNormHelper:
         self.cfg = cfg
         self.settings = _settings(cfg, kwargs)
         self.options = Options.build("BatchNormHelper", num_batches=self.settings["iters"],
-                                     log_period=self.settings["log_period"], **kwargs)
+                                     log_period=self.settings["log_period"], also_known=("cfg", "backend", *DEFAULTS),
+                                     **kwargs)
         self._given = set(kwargs)
         self.aux: Any = None
         self.cache: StepCache[Any] = StepCache()
@@ -118,8 +120,9 @@ class BatchNormHelper:
         return self.cache.report
 
     @property
-    def runs(self) -> int:
-        return self.cache.runs
+    def recomputations(self) -> int:
+        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
+        return self.cache.recomputations
 
     def create_bn_aux_model(self, model: Any = None, data: Any = None, *, node_id: Optional[int] = None,
                             **kwargs: Any) -> Any:
@@ -145,7 +148,7 @@ class BatchNormHelper:
                 raise ConfigError("the torch backend needs an nn.Module, got {}".format(type(model).__name__))
             if data is None:
                 raise ConfigError("the torch backend needs data: an iterable of batches")
-            self.aux = TorchJob(model, data, options)
+            self.aux = TorchAuxModel(model, data, options)
             self.aux.layer_names()
         else:
             from .caffe2.backend import Caffe2AuxModel

@@ -11,21 +11,27 @@
             save(model)
 
 An evaluation and a checkpoint at the same step get the very same statistics: the second call
-writes back what the first computed (see :mod:`precise_bn.step_cache`).
+writes back what the first computed, unless the weights changed in between (see
+:mod:`precise_bn.step_cache`). A recomputation leaves the training run as it would have been
+without it: every random generator it draws from is put back (see :mod:`precise_bn.torch_aux`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 from torch import nn
 
 from .errors import ConfigError
 from .options import Options
 from .report import BNReport
-from .step_cache import StepCache, TorchCache, TorchJob
+from .step_cache import StepCache
+from .torch_aux import TorchAuxModel, TorchCache
 
 logger = logging.getLogger("precise_bn")
+
+
+OWN_ARGUMENTS = ("model", "data", "num_batches", "eval_period", "checkpoint_period", "extra_models", "forward_context")
 
 
 def _check_period(name: str, value: int) -> None:
@@ -41,15 +47,21 @@ class PreciseBNHook:
         data: an iterable of batches: a DataLoader, a list, any re-iterable source. The hook
             keeps one iterator across calls, so successive recomputations see fresh batches,
             and starts a new pass when one runs out, so a call never gets fewer batches than
-            asked. (A kept DataLoader iterator keeps its worker processes between calls.)
+            asked. (A kept DataLoader iterator keeps its worker processes between calls.) It
+            may be the training loop's own DataLoader: with persistent workers the hook reads
+            a copy with its own iterator, so the loop's epoch is never cut short. A
+            single-pass source (a generator) gets a warning: it cannot start a new pass.
         num_batches: batches per recomputation (None: limited by ``num_samples`` or ``rtol``).
         eval_period / checkpoint_period: :meth:`before_eval` / :meth:`before_checkpoint` act
             only when ``step % period == 0``, so a loop may call them every step.
         extra_models: more models recomputed on the same batches, e.g. an EMA or SWA copy of
-            the weights (see :class:`~precise_bn.step_cache.TorchJob`).
+            the weights (see :class:`~precise_bn.torch_aux.TorchAuxModel`).
+        forward_context: a context entered around every forward of the pass, e.g. a
+            framework's mixed-precision context.
         **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
             ``forward_fn``, ``layers``, ``device``, ``exact``...), checked now: a misspelt one
-            raises ``TypeError`` here, not at the first recomputation. With an initialised
+            raises ``TypeError`` here, not at the first recomputation, and named ``layers``
+            must be BN layers of ``model``. With an initialised
             process group the stats are merged across ranks: every rank must call the hook at
             the same steps.
 
@@ -65,9 +77,10 @@ class PreciseBNHook:
         eval_period: int = 1,
         checkpoint_period: int = 1,
         extra_models: Sequence[nn.Module] = (),
+        forward_context: Optional[Callable[[], ContextManager[Any]]] = None,
         **options: Any,
     ):
-        opts = Options.build("PreciseBNHook", num_batches=num_batches, **options)
+        opts = Options.build("PreciseBNHook", num_batches=num_batches, also_known=OWN_ARGUMENTS, **options)
         _check_period("eval_period", eval_period)
         _check_period("checkpoint_period", checkpoint_period)
         if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
@@ -76,7 +89,7 @@ class PreciseBNHook:
         self.model = model
         self.eval_period = eval_period
         self.checkpoint_period = checkpoint_period
-        self.job = TorchJob(model, data, opts, extra_models)
+        self.job = TorchAuxModel(model, data, opts, extra_models, forward_context)
         self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
 
@@ -87,7 +100,8 @@ class PreciseBNHook:
 
     @property
     def recomputations(self) -> int:
-        return self.cache.runs
+        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
+        return self.cache.recomputations
 
     @property
     def cached_stats(self) -> Optional[TorchCache]:
@@ -98,23 +112,26 @@ class PreciseBNHook:
         """
         return self.cache.value
 
-    def before_eval(self, step: int) -> Optional[BNReport]:
+    def before_eval(self, step: int, loaded_from: Any = None) -> Optional[BNReport]:
         """Make ``model``'s BN stats precise for an evaluation at ``step``.
+
+        ``loaded_from``: the checkpoint the weights were loaded from, if the loop knows it;
+        stats computed for one are never written back for another.
 
         Returns the report of the recomputation these stats come from, or None when the hook
         did nothing (``step`` not a multiple of ``eval_period``, or the hook is off).
         """
-        return self._at(step, self.eval_period)
+        return self._at(step, self.eval_period, loaded_from)
 
-    def before_checkpoint(self, step: int) -> Optional[BNReport]:
+    def before_checkpoint(self, step: int, loaded_from: Any = None) -> Optional[BNReport]:
         """Make ``model``'s BN stats precise for a checkpoint written at ``step``.
 
         Same as :meth:`before_eval`, with ``checkpoint_period``; after an evaluation at the
-        same step it only writes the cached stats back.
+        same step, with the same weights, it only writes the cached stats back.
         """
-        return self._at(step, self.checkpoint_period)
+        return self._at(step, self.checkpoint_period, loaded_from)
 
-    def _at(self, step: int, period: int) -> Optional[BNReport]:
+    def _at(self, step: int, period: int, loaded_from: Any) -> Optional[BNReport]:
         if not self.enabled or step % period != 0:
             return None
         if self.cache.value is None and not self.job.layer_names():
@@ -122,4 +139,4 @@ class PreciseBNHook:
                            type(self.model).__name__)
             self.enabled = False
             return None
-        return self.cache.at(step, self.job.run, self.job.apply)
+        return self.cache.at((step, loaded_from, self.job.state()), self.job.run, self.job.apply)

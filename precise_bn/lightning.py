@@ -4,8 +4,13 @@
     trainer = Trainer(callbacks=[PreciseBNCallback(num_batches=200), ModelCheckpoint(...)])
 
 The callback recomputes at the start of each validation and before each checkpoint, keyed by
-``trainer.global_step`` (see :class:`precise_bn.PreciseBNHook`): a checkpoint written at the
-step of a validation gets the very stats that validation used, without another forward.
+``trainer.global_step``, the checkpoint the weights were loaded from and the weights themselves
+(see :class:`precise_bn.PreciseBNHook`): a checkpoint written at the step of a validation gets
+the very stats that validation used, without another forward, while ``validate(ckpt_path=...)``
+or ``validate(other_module)`` after ``fit`` recomputes for the weights actually validated.
+Training is left bit for bit as it would have been without the callback: every random
+generator a recomputation draws from is put back, and the training DataLoader's own iterator is
+never read (one with persistent workers is read through a copy with its own workers).
 
 Why the checkpoint dict is rewritten too: Lightning (checked on 2.6) builds
 ``checkpoint["state_dict"]`` *before* it calls the callbacks' ``on_save_checkpoint``. Plain
@@ -13,25 +18,30 @@ strategies put references to the live buffers in it, which the in-place update r
 strategies that gather copies (and asynchronous checkpoint writers, while training goes on)
 would keep the old numbers, so the callback also writes its stats into that dict.
 
-Limits: Lightning skips callbacks' ``on_save_checkpoint`` for weights-only checkpoints
-(``ModelCheckpoint(save_weights_only=True)``); those carry precise stats only when they are
-written at the step of a validation, as ``ModelCheckpoint`` does by default.
+Which files hold precise stats: every full checkpoint (the callback recomputes for it, or
+writes back what the validation at its step used). Lightning skips callbacks for weights-only
+files (``save_weights_only=True``): those hold what the module holds when they are written,
+the validated stats if written after the validation at their step (``ModelCheckpoint``'s
+default, at the end of validation), else Lightning's running averages; the callback warns at
+``setup`` about weights-only ``ModelCheckpoint`` s that save on a step count or a timer.
 
 Importing :mod:`precise_bn` never needs Lightning; this module does (``lightning``, or the
 older ``pytorch_lightning``).
 """
 from __future__ import annotations
 
+import difflib
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
+import torch
 from torch import nn
 
-from .data import smart_forward
+from .data import separate
 from .errors import BackendUnavailableError, ConfigError, PreciseBNWarning
 from .hooks import PreciseBNHook
 from .options import Options
-from .pytorch.layers import select_layers
+from .pytorch.layers import by_spec, select_layers
 
 try:
     import lightning.pytorch as pl
@@ -45,23 +55,43 @@ except ImportError:
         ) from error
 
 
+def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoader]:
+    """The trainer's training DataLoader, or None outside fit; a ConfigError asks for ``data=``
+    when there are several, or when it is not a DataLoader: the callback cannot tell whether
+    iterating such an object takes batches from the training loop."""
+    loader = trainer.train_dataloader
+    if loader is None or isinstance(loader, torch.utils.data.DataLoader):
+        return loader
+    what = "more than one training dataloader" if isinstance(loader, (dict, list, tuple)) else \
+        "a training dataloader that is a {}, not a torch DataLoader (reading it could take batches from " \
+        "training)".format(type(loader).__name__)
+    raise ConfigError("PreciseBNCallback: the trainer has {}; pass data=... (and forward_fn=... if its batches "
+                      "need one)".format(what))
+
+
 class _TrainingData:
-    """The trainer's current training dataloader, looked up at each new pass over the data
-    (Lightning may rebuild it between epochs)."""
+    """The trainer's current training DataLoader, looked up at each new pass over the data
+    (Lightning may rebuild it between epochs), read through :func:`precise_bn.data.separate`.
+    After ``fit`` (a ``validate`` that follows it) the last one ``fit`` had is read."""
 
     def __init__(self, trainer: "pl.Trainer"):
         self.trainer = trainer
+        self._current: Any = (None, None)  # (the trainer's loader, what is read for it)
+
+    @property
+    def loader(self) -> Optional[torch.utils.data.DataLoader]:
+        """What is read (:func:`precise_bn.rng.loader_generators` looks for its generators)."""
+        loader = _training_loader(self.trainer)
+        return self._current[0] if loader is None else loader
 
     def __iter__(self) -> Iterator[Any]:
-        loader = self.trainer.train_dataloader
-        if loader is None or isinstance(loader, (Mapping, list, tuple)):
-            raise ConfigError(
-                "PreciseBNCallback: the trainer has {} training dataloader; pass data=... "
-                "(and forward_fn=... if its batches need one)".format(
-                    "no" if loader is None else "more than one"
-                )
-            )
-        return iter(loader)
+        loader = self.loader
+        if self._current[0] is not loader:
+            self._current = loader, separate(loader)
+        return iter(self._current[1])
+
+
+OWN_ARGUMENTS = ("num_batches", "data", "attribute")
 
 
 class PreciseBNCallback(pl.Callback):
@@ -69,23 +99,27 @@ class PreciseBNCallback(pl.Callback):
 
     Args:
         num_batches: batches per recomputation (None: limited by ``num_samples`` or ``rtol``).
-        data: batches to recompute on; default: the trainer's training dataloader (under DDP
-            each rank reads its own shard and the stats are merged across ranks). A kept
+        data: batches to recompute on; default: the trainer's training DataLoader (under DDP
+            each rank reads its own shard and the stats are merged across ranks), read through
+            an iterator of its own. A training dataloader that is not a torch DataLoader is
+            refused (reading it might take batches from training): pass ``data`` then. A kept
             iterator continues across recomputations and starts a new pass when one ends.
         attribute: the submodule of the LightningModule to recompute, e.g. ``"model"`` or
             ``"backbone.encoder"``; default: the LightningModule itself.
         **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
-            ``forward_fn``, ``layers``, ``exact``...), checked now. ``forward_fn(target, batch)``
-            runs in the trainer's precision context (autocast for mixed precision); by default
-            ``(input, target)`` batches give ``target(batch[0])``. The device defaults to the
-            LightningModule's, and the layers to those in training mode during the first
-            training batch (validation runs in eval mode, so the train flags at recomputation
-            time would not tell frozen BN layers apart).
+            ``forward_fn``, ``layers``, ``exact``...), checked now; ``attribute`` and named
+            ``layers`` are checked against the module at ``setup``, before training starts.
+            ``forward_fn(target, batch)`` runs in the trainer's precision context (autocast
+            for mixed precision); by default ``(input, target)`` batches give
+            ``target(batch[0])``, and a batch the target refuses raises
+            :class:`~precise_bn.BatchError` saying which ``forward_fn`` to pass. The device
+            defaults to the LightningModule's, and the layers to those in training mode
+            during the first training batch (validation runs in eval mode, so the train flags
+            at recomputation time would not tell frozen BN layers apart).
 
     Validation during the sanity check runs before any training and is left alone. Under DDP
     every rank takes part in each recomputation; only rank 0 writes the checkpoint file, as
-    Lightning does. If the training DataLoader has persistent workers, pass your own ``data``:
-    iterating it here would reset the training loop's iterator when validation runs mid-epoch.
+    Lightning does.
     """
 
     def __init__(
@@ -97,10 +131,12 @@ class PreciseBNCallback(pl.Callback):
         **options: Any,
     ):
         super().__init__()
-        self.options = Options.build("PreciseBNCallback", num_batches=num_batches, **options)
+        self.options = Options.build("PreciseBNCallback", num_batches=num_batches, also_known=OWN_ARGUMENTS,
+                                     **options)
         self.data = data
         self.attribute = attribute
         self.hook: Optional[PreciseBNHook] = None
+        self._training: Optional[_TrainingData] = None
         self._train_layers: Optional[List[str]] = None
         self._warned_no_data = False
 
@@ -111,17 +147,33 @@ class PreciseBNCallback(pl.Callback):
         try:
             return pl_module.get_submodule(self.attribute)
         except AttributeError as error:
+            close = difflib.get_close_matches(self.attribute, [n for n, _ in pl_module.named_modules() if n], n=1)
             raise ConfigError(
-                "PreciseBNCallback(attribute={!r}): {} has no such submodule ({})".format(
-                    self.attribute, type(pl_module).__name__, error
-                )
+                "PreciseBNCallback(attribute={!r}): {} has no such submodule ({}){}".format(
+                    self.attribute, type(pl_module).__name__, error,
+                    "; did you mean {!r}?".format(close[0]) if close else "")
             ) from error
 
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        target = self.target(pl_module)
+        if isinstance(self.options.layers, (list, tuple)):
+            by_spec(target, self.options.layers)
+        for checkpoint in trainer.checkpoint_callbacks:
+            timed = getattr(checkpoint, "_every_n_train_steps", 0) or getattr(checkpoint, "_train_time_interval", None)
+            if stage == "fit" and getattr(checkpoint, "save_weights_only", False) and timed and trainer.is_global_zero:
+                warnings.warn(
+                    "PreciseBNCallback: Lightning calls no callback for weights-only checkpoints, and those "
+                    "that {} saves on a step count or a timer are written before any validation at their "
+                    "step: they hold Lightning's running averages, not precise stats".format(
+                        type(checkpoint).__name__), PreciseBNWarning, stacklevel=2)
+
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A new fit may bring another trainer, model or dataloader: start from scratch. A
-        # validate() after fit keeps the hook, so it re-applies the last checkpoint's stats.
-        self.hook = None
-        self._train_layers = None
+        # A new fit may bring another trainer, model or dataloader: start from scratch.
+        self.hook = self._training = self._train_layers = None
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.data is None:
+            _training_loader(trainer)
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -136,13 +188,13 @@ class PreciseBNCallback(pl.Callback):
             return
         hook = self._get_hook(trainer, pl_module)
         if hook is not None:
-            hook.before_eval(trainer.global_step)
+            hook.before_eval(trainer.global_step, trainer.ckpt_path)
 
     def on_save_checkpoint(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: Dict[str, Any]
     ) -> None:
         hook = self._get_hook(trainer, pl_module)
-        if hook is None or hook.before_checkpoint(trainer.global_step) is None:
+        if hook is None or hook.before_checkpoint(trainer.global_step, trainer.ckpt_path) is None:
             return
         assert hook.cached_stats is not None
         state = checkpoint.get("state_dict", {})
@@ -164,11 +216,16 @@ class PreciseBNCallback(pl.Callback):
             )
 
     def _get_hook(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[PreciseBNHook]:
-        if self.hook is not None:
+        """The hook for the module being validated or saved now: a new one for a new module
+        (``validate(other_module)`` after ``fit``)."""
+        target = self.target(pl_module)
+        if self.hook is not None and self.hook.model is target:
             return self.hook
         data = self.data
+        if data is None and self._training is None and _training_loader(trainer) is not None:
+            self._training = _TrainingData(trainer)
         if data is None:
-            if trainer.train_dataloader is None:
+            if self._training is None:
                 if not self._warned_no_data and trainer.is_global_zero:
                     warnings.warn(
                         "PreciseBNCallback: no training dataloader (validate() outside fit()?) and "
@@ -178,28 +235,13 @@ class PreciseBNCallback(pl.Callback):
                     )
                 self._warned_no_data = True
                 return None
-            loader = trainer.train_dataloader
-            if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
-                warnings.warn(
-                    "PreciseBNCallback: the training DataLoader has persistent workers; iterating "
-                    "it for precise BN resets the training iterator if validation runs "
-                    "mid-epoch: pass data= a separate loader",
-                    PreciseBNWarning,
-                    stacklevel=3,
-                )
-            data = _TrainingData(trainer)
-        forward = self.options.forward_fn or smart_forward
-        precision = trainer.precision_plugin
-
-        def forward_in_precision(module: nn.Module, batch: Any) -> Any:
-            with precision.forward_context():
-                return forward(module, batch)
-
-        changes: Dict[str, Any] = {"forward_fn": forward_in_precision}
+            data = self._training
+        changes: Dict[str, Any] = {}
         if self.options.device is None:
             changes["device"] = pl_module.device
         if self.options.layers is None:
             changes["layers"] = self._train_layers
         options = self.options.replace(**changes)
-        self.hook = PreciseBNHook(self.target(pl_module), data, **options.as_kwargs())
+        self.hook = PreciseBNHook(target, data, forward_context=trainer.precision_plugin.forward_context,
+                                  **options.as_kwargs())
         return self.hook

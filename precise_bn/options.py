@@ -159,10 +159,11 @@ class Options:
         object.__setattr__(self, "timeout", _timeout(self.timeout))
 
     @classmethod
-    def build(cls, where: str, **kwargs: Any) -> "Options":
+    def build(cls, where: str, *, also_known: Sequence[str] = (), **kwargs: Any) -> "Options":
         """``Options(**kwargs)``, but an unknown name raises ``TypeError`` naming ``where`` and
-        the closest known option, as a misspelt keyword argument of a function would."""
-        check_names(where, kwargs, [f.name for f in dataclasses.fields(cls)])
+        the closest name ``where`` takes, as a misspelt keyword argument of a function would:
+        ``also_known`` are the caller's own arguments, offered as hints with the options."""
+        check_names(where, kwargs, [f.name for f in dataclasses.fields(cls)], also_known)
         return cls(**kwargs)
 
     def as_kwargs(self) -> Dict[str, Any]:
@@ -175,11 +176,12 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
-def check_names(where: str, given: Any, known: Sequence[str]) -> None:
-    """Raise ``TypeError`` for the first name of ``given`` not in ``known``, with a suggestion."""
+def check_names(where: str, given: Any, known: Sequence[str], hints_too: Sequence[str] = ()) -> None:
+    """Raise ``TypeError`` for the first name of ``given`` not in ``known``, suggesting the
+    closest of ``known`` and ``hints_too`` (names ``where`` takes, but not in ``given``)."""
     for name in given:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+            close = difflib.get_close_matches(name, list(known) + list(hints_too), n=1)
             hint = "; did you mean {!r}?".format(close[0]) if close else ""
             raise TypeError("{}() got an unexpected keyword argument {!r}{}".format(where, name, hint))
 

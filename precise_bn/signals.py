@@ -36,12 +36,19 @@ PyTorch entry points put the model back if anything is raised before they return
 and the freeing of its pass: a signal handled there raises with the new statistics in place
 (``benchmarks/INTERRUPTS.md`` measures how often); Python code cannot close that window.
 
+A handler can also run while a finaliser does (``__del__``, a weakref callback such as a
+``WeakKeyDictionary``'s), where Python prints what it raises ("Exception ignored") and goes on:
+the interrupt would be lost. While the relays are installed, what a handler called by them
+raises and a finaliser swallows is kept instead, and raised at the call's next checkpoint
+(:func:`checkpoint`: every batch of a PyTorch pass, and the end of every critical section).
+
 Signal handlers only ever run in the main thread; called from another thread, nothing here
 changes any handler and sections need no protection.
 """
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
@@ -51,6 +58,9 @@ _originals: Dict[int, Callable[..., Any]] = {}
 _pending: List[Tuple[int, Any]] = []
 _holders: Set["Relays"] = set()
 _depth = 0
+_raised: List[BaseException] = []  # what the last handler called from here raised
+_rescued: List[BaseException] = []  # of those, what a finaliser swallowed
+_unraisable_hooks: List[Callable[[Any], Any]] = []  # the hook ours replaced
 
 
 def in_critical_section() -> bool:
@@ -70,12 +80,41 @@ def _relay(signum: int, frame: Any) -> None:
     if not _holders:
         signal.signal(signum, original)
         _originals.pop(signum, None)
-    original(signum, frame)
+    _call(original, signum, frame)
+
+
+def _call(handler: Callable[..., Any], signum: int, frame: Any) -> None:
+    try:
+        handler(signum, frame)
+    except BaseException as exc:
+        _raised[:] = [exc]
+        raise
+
+
+def _rescue(unraisable: Any) -> None:
+    """``sys.unraisablehook`` while relays are installed: keeps what a relayed handler raised
+    inside a finaliser for :func:`checkpoint`; anything else goes to the hook it replaced."""
+    if _holders and _raised and unraisable.exc_value is _raised[0]:
+        _rescued.append(_raised.pop())
+    elif _unraisable_hooks:
+        _unraisable_hooks[0](unraisable)
+
+
+def checkpoint() -> None:
+    """Raise what a relayed handler raised inside a finaliser since the last checkpoint (the
+    first, if several were), instead of losing it."""
+    if _rescued:
+        exc = _rescued[0]
+        _rescued.clear()
+        raise exc
 
 
 def _put_back() -> None:
     # Each original is forgotten only once it is back: cut short anywhere (a relay may give its
     # own original back in between, see ``_relay``), this can run again and finish.
+    if sys.unraisablehook is _rescue and _unraisable_hooks:
+        sys.unraisablehook = _unraisable_hooks[0]
+    _raised.clear()
     for signum in list(_originals):
         original = _originals.get(signum)
         if original is not None and signal.getsignal(signum) is _relay:
@@ -84,11 +123,12 @@ def _put_back() -> None:
 
 
 def _deliver() -> None:
+    checkpoint()
     while _pending:
         signum, frame = _pending.pop(0)
         handler = _originals.get(signum) or signal.getsignal(signum)
         if callable(handler) and handler is not _relay:
-            handler(signum, frame)
+            _call(handler, signum, frame)
 
 
 class Relays:
@@ -111,6 +151,10 @@ class Relays:
             _holders.add(self)
             if first:
                 _pending.clear()
+                _rescued.clear()
+                if sys.unraisablehook is not _rescue:
+                    _unraisable_hooks[:] = [sys.unraisablehook]
+                    sys.unraisablehook = _rescue
                 for signum in signal.valid_signals():
                     try:
                         handler = signal.getsignal(signum)

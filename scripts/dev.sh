@@ -22,14 +22,16 @@ pip_install() {
   "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 
-python_for() {  # $1 = 3.11 | 3.9
-  if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -q "^$1"; then
-    PYENV_VERSION=$1 pyenv exec python"$1" "${@:2}"
-  elif command -v "python$1" >/dev/null 2>&1 && PYENV_VERSION=$1 "python$1" -c '' 2>/dev/null; then
-    PYENV_VERSION=$1 "python$1" "${@:2}"
-  else
-    log "Python $1 not found: install it (pyenv install $1) and rerun"; exit 1
-  fi
+python_for() {  # $1 = the versions to try, newest first ("3.13 3.12 3.11" | 3.9): the first found runs
+  local v
+  for v in $1; do
+    if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -q "^$v"; then
+      PYENV_VERSION=$v pyenv exec python"$v" "${@:2}"; return
+    elif command -v "python$v" >/dev/null 2>&1 && PYENV_VERSION=$v "python$v" -c '' 2>/dev/null; then
+      PYENV_VERSION=$v "python$v" "${@:2}"; return
+    fi
+  done
+  log "Python $1 not found: install one (pyenv install ${1%% *}) and rerun"; exit 1
 }
 
 # build_env VENV PYVER EXTRAS PINS...: (re)install when pyproject.toml or this script changed.
@@ -46,7 +48,7 @@ build_env() {
   echo "$stamp" >"$venv/.stamp"
 }
 
-setup_main() { build_env "$MAIN_VENV" 3.11 "$MAIN_EXTRAS" "${MAIN_PINS[@]}"; }
+setup_main() { build_env "$MAIN_VENV" "3.13 3.12 3.11" "$MAIN_EXTRAS" "${MAIN_PINS[@]}"; }
 setup_caffe2() { build_env "$CAFFE2_VENV" 3.9 "$CAFFE2_EXTRAS" "${CAFFE2_PINS[@]}"; }
 
 run_tests() {

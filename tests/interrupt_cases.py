@@ -162,7 +162,7 @@ def _cache_state(hook: PreciseBNHook) -> Any:
     cache = hook.cache
     value = None if cache.value is None else {
         k: (m.numpy().tobytes(), v.numpy().tobytes()) for k, (m, v) in cache.value.items()}
-    return cache.step, value, cache.report is not None, cache.runs
+    return cache.key, value, cache.report is not None, cache.recomputations
 
 
 def _function_case(name: str, blocks: int, call: Callable[[nn.Module], Any]) -> Case:

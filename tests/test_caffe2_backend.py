@@ -225,12 +225,12 @@ def test_same_iteration_reapplies_cache_without_running(c2):
         workspace.FeedBlob(d + "/conv2_bn_rm", np.full(5, 9.0, np.float32))
         workspace.FeedBlob(d + "/conv2_bn_riv", np.full(5, 9.0, np.float32))
     helper.compute_and_update_bn_stats(curr_iter=7)
-    assert feeds.taken == 3 and helper.runs == 1
+    assert feeds.taken == 3 and helper.recomputations == 1
     for d in ("gpu_0", "gpu_1"):
         rm, riv = fed(c2, d, "conv2")
         assert rm.tobytes() == first[d][0].tobytes() and riv.tobytes() == first[d][1].tobytes()
     helper.compute_and_update_bn_stats(curr_iter=8)
-    assert feeds.taken == 6 and helper.runs == 2
+    assert feeds.taken == 6 and helper.recomputations == 2
 
 
 @caffe2_env
@@ -729,7 +729,7 @@ def test_original_three_calls_work_after_changing_only_the_import(c2, monkeypatc
     assert report.batches == 3 and report.world_size == 1 and bn_aux.iters == 3
     result = {(d, layer): fed(c2, d, layer) for d in ("gpu_0", "gpu_1") for layer in ("in", "conv1", "conv2")}
     bn_aux.compute_and_update_bn_stats(41)
-    assert bn_aux.runs == 1
+    assert bn_aux.recomputations == 1
     ref = forward_reference(c2, train_model.net, [clips], inputs)
     for layer in ("in", "conv1", "conv2"):
         rm, riv = result["gpu_0", layer]

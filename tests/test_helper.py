@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from precise_bn import BatchNormHelper, ConfigError
+from precise_bn import BatchError, BatchNormHelper, ConfigError
 from reference import assert_close_default, float64_reference
 
 
@@ -71,17 +71,17 @@ def test_cache_same_iteration_reapplies_without_forward():
         model.bn.running_mean.add_(5)
         model.bn.running_var.mul_(3)
     helper.compute_and_update_bn_stats(curr_iter=100)
-    assert model.forwards == 3 and helper.runs == 1
+    assert model.forwards == 3 and helper.recomputations == 1
     assert torch.equal(model.bn.running_mean, stats[0]) and torch.equal(model.bn.running_var, stats[1])
 
     # A new iteration recomputes on the next batches: the source wraps around after batch 5.
     wrapped = data[3:] + data[:1]
     ref_mean, ref_var, _ = float64_reference(model, wrapped)["bn"]
     helper.compute_and_update_bn_stats(curr_iter=200)
-    assert model.forwards == 6 and helper.runs == 2
+    assert model.forwards == 6 and helper.recomputations == 2
     assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
     helper.compute_and_update_bn_stats()
-    assert helper.runs == 3
+    assert helper.recomputations == 3
 
 
 def test_options_pass_through_to_update_bn_stats():
@@ -134,3 +134,15 @@ def test_options_are_checked_when_the_helper_is_built():
         BatchNormHelper(exatc=True)
     with pytest.raises(ConfigError, match="iters"):
         BatchNormHelper(iters=0)
+
+
+def test_misspelt_settings_get_the_hint_among_the_helper_settings():
+    with pytest.raises(TypeError, match="BatchNormHelper.*'iter'; did you mean 'iters'"):
+        BatchNormHelper(iter=3)
+
+
+def test_a_dict_batch_without_forward_fn_is_a_batch_error():
+    helper = BatchNormHelper(iters=2)
+    helper.create_bn_aux_model(Counting(), [{"image": x} for x in _data(2)])
+    with pytest.raises(BatchError, match="'image'.*forward_fn"):
+        helper.compute_and_update_bn_stats(1)

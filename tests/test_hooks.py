@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from precise_bn import ConfigError, recompute
+from precise_bn import BatchError, ConfigError, EmptyDataError, PreciseBNWarning, recompute
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.hooks import PreciseBNHook
 from reference import assert_close_default, float64_reference
@@ -208,3 +208,60 @@ def test_example_training_script(tmp_path, monkeypatch, capsys):
     assert out.count("test acc") == 2 and out.count("(evaluated stats)") == 2
     saved = torch.load(tmp_path / "step_20.pt", weights_only=True)
     assert saved["step"] == 20 and "1.running_var" in saved["ema"]
+
+
+@pytest.mark.parametrize("name, hint", [("eval_perod", "eval_period"), ("checkpoint_perod", "checkpoint_period"),
+                                        ("extra_model", "extra_models"), ("log_perod", "log_period")])
+def test_misspelt_arguments_get_the_hint_among_all_the_hook_takes(name, hint):
+    with pytest.raises(TypeError, match="PreciseBNHook.*{!r}; did you mean {!r}".format(name, hint)):
+        PreciseBNHook(make_model(), make_batches(1), **{name: 1})
+
+
+def test_named_layers_are_checked_when_the_hook_is_built():
+    with pytest.raises(ConfigError, match="no module named '9'"):
+        PreciseBNHook(make_model(), make_batches(1), layers=["9"])
+    with pytest.raises(ConfigError, match="'4'.*not a BatchNorm"):
+        PreciseBNHook(make_model(), make_batches(1), layers=["4"])
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_dict_batch_without_forward_fn_is_a_batch_error(extra):
+    model = make_model()
+    before = bn_stats(model)
+    batches = [{"image": x} for x, _ in make_batches(2)]
+    hook = PreciseBNHook(model, batches, num_batches=2, extra_models=[copy.deepcopy(model)] if extra else ())
+    with pytest.raises(BatchError, match="'image'.*forward_fn"):
+        hook.before_eval(1)
+    assert_same_stats(bn_stats(model), before)
+
+
+def test_a_single_pass_source_is_warned_about_and_named_when_it_runs_out():
+    model, batches = make_model(), make_batches(5)
+    with pytest.warns(PreciseBNWarning, match="single-pass generator") as caught:
+        hook = PreciseBNHook(model, (b for b in batches), num_batches=3)
+    assert caught[0].filename == __file__  # the user's line
+    hook.before_eval(1)
+    after_first = bn_stats(model)
+    with pytest.raises(EmptyDataError, match="single-pass generator, ran out after 5 batches.*cannot start again"):
+        hook.before_eval(2)
+    assert_same_stats(bn_stats(model), after_first)
+
+
+def test_new_weights_at_the_same_step_are_recomputed():
+    """A checkpoint loaded, or an optimizer step, between two calls at one step: the cached
+    stats belong to other weights and are not written back."""
+    model, batches = make_model(), make_batches(6)
+    hook = PreciseBNHook(model, batches, num_batches=3)
+    hook.before_eval(4)
+    other = make_model(seed=1)
+    model.load_state_dict(other.state_dict())
+    hook.before_checkpoint(4)
+    assert hook.recomputations == 2
+    assert_same_stats(bn_stats(model), expected_stats(model, batches[3:6]))
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    hook.before_checkpoint(4)
+    assert hook.recomputations == 3
+    assert_same_stats(bn_stats(model), expected_stats(model, batches[:3]))
+    hook.before_eval(4)
+    assert hook.recomputations == 3

@@ -14,9 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from precise_bn import BackendUnavailableError, ConfigError, PreciseBNWarning, recompute
+from precise_bn import BackendUnavailableError, BatchError, ConfigError, PreciseBNWarning, recompute
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.lightning import PreciseBNCallback
+import test_training_unchanged as unchanged
 from reference import assert_close_default, float64_reference
 
 pytestmark = pytest.mark.main_env
@@ -191,3 +192,189 @@ def test_falls_back_to_pytorch_lightning_then_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
     with pytest.raises(BackendUnavailableError, match="pip install"):
         importlib.import_module("precise_bn.lightning")
+
+
+def fit_with_checkpoints(tmp_path: Path):
+    """TinyNet fitted for 2 epochs (steps 4 and 8 validated and saved); the batches each
+    recomputation read, by call."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    used = []
+
+    def recording_forward(module, batch):
+        used.append(batch)
+        return default_forward(module, batch)
+
+    callback = PreciseBNCallback(num_batches=3, forward_fn=recording_forward)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, callbacks=[callback, ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)],
+    )
+    trainer.fit(net, loader(32, seed=1), loader(16, seed=2))
+    return net, trainer, callback, used
+
+
+def assert_validated_with_recomputed(module: TinyNet, batches) -> None:
+    """What validation saw is what recompute gives the module's current weights on ``batches``."""
+    replay = copy.deepcopy(module)
+    recompute(replay.model, batches)
+    expected = bn_stats(replay.model)
+    (seen,) = module.validated.values()
+    for name, (mean, var) in expected.items():
+        assert torch.equal(seen[name][0], mean) and torch.equal(seen[name][1], var), name
+
+
+def test_validate_a_checkpoint_after_fit_recomputes_for_its_weights(tmp_path: Path):
+    net, trainer, callback, used = fit_with_checkpoints(tmp_path)
+    fitted = bn_stats(net.model)
+    (step4,) = tmp_path.glob("*step=4.ckpt")
+    net.validated, used[:] = {}, []
+    trainer.validate(net, loader(16, seed=2), ckpt_path=str(step4), verbose=False)
+    assert trainer.global_step == 8 and len(used) == 3 and callback.hook.recomputations == 3
+    assert_validated_with_recomputed(net, used)
+    (seen,) = net.validated.values()
+    assert not torch.equal(seen["1"][1], fitted["1"][1])  # not the stats cached at step 8
+
+
+def test_validate_another_module_after_fit_recomputes_for_it(tmp_path: Path):
+    net, trainer, callback, used = fit_with_checkpoints(tmp_path)
+    (step4,) = tmp_path.glob("*step=4.ckpt")
+    other = TinyNet.load_from_checkpoint(step4)
+    used[:] = []
+    trainer.validate(other, loader(16, seed=2), verbose=False)
+    assert len(used) == 3 and callback.hook.model is other
+    assert_validated_with_recomputed(other, used)
+    assert not torch.equal(bn_stats(other.model)["1"][1], bn_stats(net.model)["1"][1])
+
+
+def small_trainer(**kwargs) -> lightning.Trainer:
+    settings = dict(max_steps=2, accelerator="cpu", devices=1, enable_progress_bar=False,
+                    enable_model_summary=False, logger=False, num_sanity_val_steps=0)
+    settings.update(kwargs)
+    return lightning.Trainer(**settings)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"attribute": "modle"}, "'modle'.*did you mean 'model'"),
+    ({"layers": ["9"]}, "no module named '9'"),
+    ({"attribute": "model", "layers": ["model.1"]}, "no module named 'model.1'.*did you mean '1'"),
+])
+def test_attribute_and_layers_fail_at_setup_before_training(kwargs, match):
+    net = TinyNet()
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    trainer = small_trainer(callbacks=[PreciseBNCallback(num_batches=2, **kwargs)])
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(net, loader(16, seed=1), loader(8, seed=2))
+    assert all(torch.equal(p, before[name]) for name, p in net.named_parameters())  # not one step trained
+
+
+@pytest.mark.parametrize("name, hint", [("atribute", "attribute"), ("num_batchs", "num_batches"),
+                                        ("dta", "data"), ("exatc", "exact")])
+def test_misspelt_arguments_get_the_right_hint(name, hint):
+    with pytest.raises(TypeError, match="PreciseBNCallback.*{!r}; did you mean {!r}".format(name, hint)):
+        PreciseBNCallback(**{name: None})
+
+
+class DictNet(TinyNet):
+    def forward(self, x):
+        return self.model(x["image"])
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch), batch["label"])
+
+
+class DictBatches(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"image": self.x[i], "label": self.y[i]}
+
+
+def test_a_dict_batch_without_forward_fn_is_a_batch_error():
+    trainer = small_trainer(callbacks=[PreciseBNCallback(num_batches=2, attribute="model")],
+                            val_check_interval=1)
+    with pytest.raises(BatchError, match="'image'.*forward_fn"):
+        trainer.fit(DictNet(), DataLoader(DictBatches(16), batch_size=8), loader(8, seed=2))
+
+
+def test_a_training_loader_that_is_not_a_dataloader_is_refused_before_training():
+    net = TinyNet()
+    trainer = small_trainer(callbacks=[PreciseBNCallback(num_batches=2)])
+    batches = [(x, y) for x, y in loader(16, seed=1)]
+
+    class Stream:  # Lightning takes any iterable; iterating this one might well consume a stream
+        def __iter__(self):
+            return iter(batches)
+
+    with pytest.raises(ConfigError, match="Stream, not a torch DataLoader.*pass data="):
+        trainer.fit(net, Stream(), loader(8, seed=2))
+
+
+def test_weights_only_checkpoints(tmp_path: Path):
+    """At validation end they hold the validated stats; on a step count they do not, with a warning."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    callbacks = [PreciseBNCallback(num_batches=3),
+                 ModelCheckpoint(dirpath=tmp_path / "val", save_weights_only=True, save_top_k=-1),
+                 ModelCheckpoint(dirpath=tmp_path / "steps", save_weights_only=True, save_top_k=-1,
+                                 every_n_train_steps=4)]
+    trainer = small_trainer(max_steps=-1, max_epochs=2, callbacks=callbacks)
+    with pytest.warns(PreciseBNWarning, match="weights-only.*step count"):
+        trainer.fit(net, loader(32, seed=1), loader(16, seed=2))
+    assert sorted(net.validated) == [4, 8]
+    for path in sorted((tmp_path / "val").glob("*.ckpt")):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        seen = net.validated[checkpoint["global_step"]]
+        for name, (mean, var) in seen.items():
+            assert torch.equal(checkpoint["state_dict"]["model." + name + ".running_var"], var), (path, name)
+    stepped = torch.load(tmp_path / "steps" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
+    assert not torch.equal(stepped["state_dict"]["model.1.running_var"], net.validated[4]["1"][1])
+
+
+class AugmentedLitNet(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = unchanged.make_net()
+        self.samples_trained = 0
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.samples_trained += len(x)
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def augmented_run(with_callback: bool, workers: int) -> dict:
+    unchanged.seed_all(0)
+    module = AugmentedLitNet()
+    train = DataLoader(unchanged.Augmented(48), batch_size=8, shuffle=True, num_workers=workers,
+                       persistent_workers=workers > 0)
+    val = DataLoader(unchanged.Augmented(16), batch_size=8)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, num_sanity_val_steps=0, val_check_interval=0.5,
+        callbacks=[PreciseBNCallback(num_batches=2)] if with_callback else [],
+    )
+    trainer.fit(module, train, val)
+    assert module.samples_trained == 2 * 48  # the training loop read every sample of both epochs
+    if with_callback:
+        assert trainer.callbacks[0].hook.recomputations == 4  # validation twice an epoch
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_lightning_run_unchanged_by_the_callback(workers):
+    unchanged.assert_same_parameters(augmented_run(True, workers), augmented_run(False, workers))

@@ -23,8 +23,8 @@ from ..data import count_samples, describe, move_to_device, recognised
 from ..errors import BatchError
 from ..estimator import PopulationStats
 from ..options import ForwardFn
-from ..signals import Relays, critical, write_last
 from ..report import UNTRUSTED_RTOL
+from ..signals import Relays, checkpoint, critical, write_last
 from .capture import CallCapture, Scratch, flush
 from .layers import NamedLayer, no_layer_message
 from .sharding import FullParameters
@@ -136,7 +136,9 @@ class BNPass:
             yield
 
     def step(self, batch: Any) -> int:
-        """Run one batch; an unrecognised batch that the model refuses becomes a BatchError."""
+        """Run one batch; an unrecognised batch that the model refuses becomes a BatchError.
+        First, a signal's exception that a finaliser swallowed is raised (a signals checkpoint)."""
+        checkpoint()
         try:
             self.forward(self.model, move_to_device(batch, self.device))
         except Exception as exc:

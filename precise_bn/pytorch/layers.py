@@ -1,8 +1,9 @@
 """Which BatchNorm layers of a PyTorch model a pass recomputes, and the module it runs on."""
 from __future__ import annotations
 
+import difflib
 import logging
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -72,14 +73,24 @@ def _check(name: str, module: _BatchNorm) -> None:
         )
 
 
-def _by_spec(model: nn.Module, layers: LayerSpec) -> List[NamedLayer]:
+def _hint(name: str, by_name: Dict[str, nn.Module]) -> str:
+    """A BN layer's name that ``name`` was likely meant to be: the same layer named from an
+    outer module (``"model.1"`` for ``"1"``), else the closest spelling."""
+    known = [n for n, m in by_name.items() if is_tracking_bn(m)]
+    close = [n for n in known if name.endswith("." + n)] or difflib.get_close_matches(name, known, n=1)
+    return "; did you mean {!r}?".format(close[0]) if close else ""
+
+
+def by_spec(model: nn.Module, layers: LayerSpec) -> List[NamedLayer]:
+    """The layers a list of modules or qualified names designates; a ConfigError names the first
+    that is not a tracking BN layer of ``model`` (hooks check this when they are built)."""
     by_name = dict(named_modules(model))
     ids = {id(m): n for n, m in named_modules(model)}
     chosen: List[NamedLayer] = []
     for item in layers or ():
         if isinstance(item, str):
             if item not in by_name:
-                raise ConfigError("layers: no module named {!r} in the model".format(item))
+                raise ConfigError("layers: no module named {!r} in the model{}".format(item, _hint(item, by_name)))
             name, module = item, by_name[item]
         else:
             if id(item) not in ids:
@@ -114,7 +125,7 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
             raise ConfigError("layers must be None, 'all' or a list of modules/names, got {!r}".format(layers))
         chosen = named
     else:
-        chosen = _by_spec(model, layers)
+        chosen = by_spec(model, layers)
     for name, module in chosen:
         _check(name, module)
     return chosen  # type: ignore[return-value]

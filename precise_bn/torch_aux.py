@@ -1,0 +1,126 @@
+"""``TorchAuxModel``: what the training-loop integrations recompute on PyTorch, and how.
+
+The PyTorch counterpart of :class:`~precise_bn.caffe2.backend.Caffe2AuxModel`: one or more
+models recalibrated together on an endless source of batches, without changing the training
+run around them (every random generator is put back, see :mod:`precise_bn.rng`; a DataLoader
+with persistent workers is read through its own iterator, see :func:`precise_bn.data.separate`).
+Shared by :class:`~precise_bn.PreciseBNHook` (so by the Lightning callback) and
+:class:`~precise_bn.BatchNormHelper`'s torch backend.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import rng
+from .api import recalibrate
+from .data import CyclingBatches, smart_forward
+from .options import Options
+from .pytorch.layers import by_spec, select_layers, unwrap_model
+from .report import BNReport
+from .signals import write_last
+
+TorchCache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+Store = Callable[[TorchCache, BNReport], None]
+
+
+class TorchAuxModel:
+    """One or more models recalibrated together on an endless source of batches.
+
+    With ``extra_models`` (an EMA or SWA copy), each batch runs through ``model`` and then
+    every extra model in the same pass, so no batch is stored; the layer names then carry the
+    prefix ``"model."`` or ``"extra_<i>."``. Extra models use their BN layers in training
+    mode, or all of them when the copy is in eval mode (as EMA copies usually are). The layers
+    are chosen at the first recomputation; named layers are checked now. ``forward_context``
+    (e.g. a framework's precision context) is entered around each model's forward.
+    """
+
+    def __init__(self, model: nn.Module, data: Iterable[Any], opts: Options, extra_models: Sequence[nn.Module] = (),
+                 forward_context: Optional[Callable[[], ContextManager[Any]]] = None):
+        self.batches = CyclingBatches(data)
+        self.opts = opts
+        self.members = [unwrap_model(model), *(unwrap_model(m) for m in extra_models)]
+        if isinstance(opts.layers, (list, tuple)):
+            by_spec(self.members[0], opts.layers)
+        self.net: nn.Module = self.members[0]
+        if extra_models:
+            self.net = nn.ModuleDict({"model": self.members[0]})
+            self.net.update({"extra_{}".format(i): m for i, m in enumerate(self.members[1:])})
+        self.forward_context = forward_context
+        self._prepared = False
+
+    def state(self) -> Tuple[Any, ...]:
+        """What the stats are a function of besides the data: which modules, and which weights.
+
+        Every in-place change of a parameter (an optimizer step, an EMA update, loading a
+        checkpoint with ``load_state_dict``) bumps its version counter; a new module or new
+        parameter objects change the identities. The running buffers are left out on purpose:
+        writing cached stats back after something touched them is the cache's job.
+        """
+        return tuple(id(m) for m in self.members), tuple(
+            (id(p), p._version) for member in self.members for p in member.parameters())
+
+    def layer_names(self) -> List[str]:
+        """The qualified names of the layers recomputed (chosen now if not yet)."""
+        if not self._prepared:
+            self._prepare()
+        return list(self.opts.layers or [])
+
+    def _prepare(self) -> None:
+        names = []
+        for prefix, module in ([("", self.net)] if len(self.members) == 1 else list(self.net.named_children())):
+            spec = self.opts.layers if prefix in ("", "model") else None
+            names += [(prefix + "." if prefix else "") + name for name, _ in select_layers(module, spec)]
+        self.opts = self.opts.replace(layers=names)
+        self._prepared = True
+
+    def _forward(self) -> Callable[[nn.Module, Any], Any]:
+        forward, context, members = self.opts.forward_fn or smart_forward, self.forward_context, self.members
+
+        def one(module: nn.Module, batch: Any) -> Any:
+            if context is None:
+                return forward(module, batch)
+            with context():
+                return forward(module, batch)
+
+        if len(members) == 1:
+            return one
+        return lambda _net, batch: [one(m, batch) for m in members]
+
+    def run(self, store: Store) -> BNReport:
+        """Recompute; the written stats are stored (cloned) in the same critical section, and
+        every random generator is put back before the write (or before an exception leaves)."""
+        kept = rng.SavedRNG(rng.loader_generators(self.batches.data))
+
+        def on_write(report: BNReport) -> None:
+            kept.restore()
+            modules = dict(self.net.named_modules())
+            store({layer.name: (modules[layer.name].running_mean.detach().clone(),
+                                modules[layer.name].running_var.detach().clone())
+                   for layer in report.layers if layer.ran}, report)
+
+        if not self._prepared:
+            self._prepare()
+        try:
+            return recalibrate(self.net, self.batches, self.opts.replace(forward_fn=self._forward()),
+                               on_write=on_write, explain_batches=self.opts.forward_fn is None)
+        except BaseException:
+            kept.restore()
+            raise
+
+    def apply(self, cache: TorchCache) -> None:
+        """Write cached stats back as one step that an interrupt cannot split or leave behind
+        (:func:`~precise_bn.signals.write_last`, which also installs the signal relays)."""
+        modules = dict(self.net.named_modules())
+        targets = [(modules[name], mean, var) for name, (mean, var) in cache.items()]
+        saved = [(m.running_mean.clone(), m.running_var.clone()) for m, _, _ in targets]
+
+        def copy(values: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+            with torch.no_grad():
+                for (module, _, _), (mean, var) in zip(targets, values):
+                    module.running_mean.copy_(mean)
+                    module.running_var.copy_(var)
+
+        return write_last(lambda: copy([(mean, var) for _, mean, var in targets]), lambda: copy(saved))
