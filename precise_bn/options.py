@@ -200,3 +200,7 @@ def options_table() -> str:
 
 
 OPTION_FIELDS = {f.name: f for f in dataclasses.fields(Options)}
+
+
+if __name__ == "__main__":  # python -m precise_bn.options: the README's table, to paste
+    print(options_table())

@@ -33,7 +33,7 @@ def test_recompute_takes_exactly_the_options_with_their_defaults():
 def test_every_option_has_a_meaning_and_the_readme_table_is_generated_from_them():
     assert all(option_help(name).strip() for name in OPTION_FIELDS)
     assert options_table() in (ROOT / "README.md").read_text(encoding="utf-8"), \
-        "README's option table differs from precise_bn.options.options_table(): paste its output"
+        "README's option table differs from the options: paste the output of python -m precise_bn.options"
 
 
 def _recompute_actions():
