@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 from torch import nn
 
 from .errors import ConfigError
-from .options import Options
+from .options import Options, positive_int
 from .report import BNReport
 from .step_cache import StepCache
 from .torch_aux import TorchAuxModel
@@ -73,10 +73,7 @@ def _settings(cfg: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         if key in DEFAULTS:
             settings[key] = kwargs.pop(key)
     for key in ("iters", "num_gpus", "log_period"):
-        value = settings[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError("{} ({}) must be a positive integer, got {!r}".format(
-                key, CONFIG_KEYS.get(key, key), value))
+        positive_int("{} ({})".format(key, CONFIG_KEYS.get(key, key)), settings[key], allow_none=False)
     return settings
 
 

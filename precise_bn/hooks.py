@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 from torch import nn
 
 from .errors import ConfigError
-from .options import Options
+from .options import Options, positive_int
 from .report import BNReport
 from .step_cache import StepCache
 from .torch_aux import TorchAuxModel, TorchCache
@@ -32,11 +32,6 @@ logger = logging.getLogger("precise_bn")
 
 
 OWN_ARGUMENTS = ("model", "data", "num_batches", "eval_period", "checkpoint_period", "extra_models", "forward_context")
-
-
-def _check_period(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError("{} must be a positive integer, got {!r}".format(name, value))
 
 
 class PreciseBNHook:
@@ -81,8 +76,8 @@ class PreciseBNHook:
         **options: Any,
     ):
         opts = Options.build("PreciseBNHook", num_batches=num_batches, also_known=OWN_ARGUMENTS, **options)
-        _check_period("eval_period", eval_period)
-        _check_period("checkpoint_period", checkpoint_period)
+        positive_int("eval_period", eval_period, allow_none=False)
+        positive_int("checkpoint_period", checkpoint_period, allow_none=False)
         if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
             raise ConfigError("num_batches, num_samples and rtol are all None: the hook would read its endless "
                               "batch source forever")

@@ -28,7 +28,8 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_MIN_BATCHES = 16
 
 
-def _positive_int(name: str, value: Any, allow_none: bool = True) -> None:
+def positive_int(name: str, value: Any, allow_none: bool = True) -> None:
+    """Raise ConfigError naming ``name`` unless ``value`` is a positive integer (or None, if allowed)."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -136,8 +137,8 @@ class Options:
         20, "without a bar, a log line (logger `precise_bn`) every this many batches (`None`: none)")
 
     def __post_init__(self) -> None:
-        _positive_int("num_batches", self.num_batches)
-        _positive_int("num_samples", self.num_samples)
+        positive_int("num_batches", self.num_batches)
+        positive_int("num_samples", self.num_samples)
         if self.num_samples is not None and not isinstance(self.num_samples, int):
             object.__setattr__(self, "num_samples", int(self.num_samples))
         if self.forward_fn is not None and not callable(self.forward_fn):
@@ -154,8 +155,8 @@ class Options:
             if isinstance(self.rtol, bool) or not isinstance(self.rtol, numbers.Real) or not 0 < self.rtol < 1:
                 raise ConfigError("rtol must be a number in (0, 1) or None, got {!r}".format(self.rtol))
             object.__setattr__(self, "rtol", float(self.rtol))
-        _positive_int("min_batches", self.min_batches, allow_none=False)
-        _positive_int("log_period", self.log_period)
+        positive_int("min_batches", self.min_batches, allow_none=False)
+        positive_int("log_period", self.log_period)
         object.__setattr__(self, "timeout", _timeout(self.timeout))
 
     @classmethod

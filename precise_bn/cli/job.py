@@ -106,7 +106,7 @@ def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Mo
     return fixes
 
 
-def _measure(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
+def _recompute_net(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
     """The pass; an exception from the user's model becomes one line naming it and the batch."""
     try:
         return recalibrate(net, batches, opts)
@@ -175,7 +175,7 @@ def recompute_checkpoint(
         opts = opts.replace(progress=False)
     calls = "" if opts.forward_fn is None else " through forward_fn {}".format(
         getattr(opts.forward_fn, "__qualname__", opts.forward_fn))
-    report = _measure(net, batches, opts, _label(model, "--model") + calls)
+    report = _recompute_net(net, batches, opts, _label(model, "--model") + calls)
     _write(ckpt, net, prefix, report, targets, out, report_path)
     return report, out
 
