@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from ._version import __version__
-from .api import recompute, update_bn, update_bn_stats
+from .api import recalibrated, recompute, update_bn, update_bn_stats
 from .errors import (
     BackendUnavailableError,
     BatchError,
@@ -19,6 +19,7 @@ from .errors import (
     NonFiniteStatsError,
     PreciseBNError,
     PreciseBNWarning,
+    UndoError,
     UnsafeCheckpointError,
 )
 from .estimator import PopulationStats
@@ -45,9 +46,11 @@ __all__ = [
     "PreciseBNError",
     "PreciseBNHook",
     "PreciseBNWarning",
+    "UndoError",
     "UnsafeCheckpointError",
     "__version__",
     "get_bn_modules",
+    "recalibrated",
     "recompute",
     "select_layers",
     "update_bn",

@@ -36,6 +36,10 @@ class DistributedError(PreciseBNError):
     """Another rank failed, timed out or disagrees on what is merged; no rank changed its model."""
 
 
+class UndoError(PreciseBNError):
+    """``report.undo()`` would overwrite statistics changed since the call (or undo twice); nothing was undone."""
+
+
 class CheckpointError(PreciseBNError):
     """A checkpoint cannot be read, matched to the model, or written; the message names file and key."""
 

@@ -106,6 +106,7 @@ class Options:
     min_batches: int = DEFAULT_MIN_BATCHES
     log_period: Optional[int] = 20
     timeout: float = DEFAULT_TIMEOUT
+    prior: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_int("num_batches", self.num_batches)
@@ -129,6 +130,10 @@ class Options:
         _positive_int("min_batches", self.min_batches, allow_none=False)
         _positive_int("log_period", self.log_period)
         object.__setattr__(self, "timeout", _timeout(self.timeout))
+        if isinstance(self.prior, bool) or not isinstance(self.prior, numbers.Real) or not 0 <= self.prior < float("inf"):
+            raise ConfigError("prior must be a number of samples >= 0 (0: the target data alone), got {!r}".format(
+                self.prior))
+        object.__setattr__(self, "prior", float(self.prior))
 
     @classmethod
     def build(cls, where: str, **kwargs: Any) -> "Options":

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 LAYERS = [
     ["errors", "_version", "atomic"],
     ["options", "estimator"],
-    ["data", "distributed", "report", "signals"],
+    ["data", "distributed", "report", "signals", "snapshot"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],
     ["api", "caffe2.backend"],

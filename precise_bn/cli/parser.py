@@ -105,6 +105,9 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     rec.add_argument("--rtol", type=float, help="stop once every channel's relative standard error is below this "
                      "(mean: stderr/std, variance: stderr/var); the budget still applies")
     rec.add_argument("--min-batches", type=_positive_int, help="batches read before --rtol may stop the pass")
+    rec.add_argument("--prior", type=float, default=0.0, metavar="N",
+                     help="pool the checkpoint's running stats, counted as N samples, with the data's "
+                     "(test-time adaptation; default 0: the data alone)")
     rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                      help="under torchrun, how long a rank waits for the others before failing "
                      "(default %(default)g)")
