@@ -183,15 +183,13 @@ def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Itera
     # A generator, not a class: a signal handled on entering a class's ``__exit__`` would skip
     # it, while a generator left suspended is closed (running its ``finally``) when its context
     # manager is dropped. The report is taken inside the write's critical section, so no instant
-    # after the write escapes the ``except``, which puts the statistics back if an interrupt cut
-    # the ``finally`` short (``release`` is idempotent).
+    # after the write escapes the ``except``, which puts the statistics back whatever the block
+    # raised, and again if an interrupt cut the first put-back short (``release`` is idempotent).
     written: List[BNReport] = []
     try:
         recalibrate(model, data, opts, on_write=written.append)
-        try:
-            yield written[0]
-        finally:
-            _release(written)
+        yield written[0]
+        _release(written)
     except BaseException:
         _release(written)
         raise
