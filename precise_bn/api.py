@@ -38,8 +38,7 @@ def recompute(
     rtol: Optional[float] = None,
     min_batches: int = DEFAULT_MIN_BATCHES,
     timeout: Union[float, datetime.timedelta] = DEFAULT_TIMEOUT,
-    log_period: Optional[int] = 20,
-    prior: float = 0.0,
+    log_period: Optional[int] = 20, prior: float = 0.0,
 ) -> BNReport:
     """Recompute the BN layers' running stats as the population statistics of their inputs.
 
@@ -75,19 +74,16 @@ def recompute(
         min_batches: batches read (over all ranks) before ``rtol`` may stop the pass.
         timeout: seconds a rank waits for the others before raising DistributedError.
         log_period: without a bar, log the time per batch every this many batches.
-        prior: pool the current running stats, counted as ``prior`` samples, with the ``n``
-            samples read (test-time adaptation; see ``docs/recalibration.md``); 0: ``data`` alone.
+        prior: the running stats count as this many samples, pooled with those read (docs/recalibration.md).
 
     Returns:
         A :class:`~precise_bn.BNReport`: per layer, elements and calls seen, old and new stats,
-        drift and standard errors; why the pass stopped and what it read. ``report.undo()``
-        puts the old stats back while nothing else changed them.
+        drift and standard errors; why the pass stopped and what it read.
     """
     opts = Options(
         num_batches=num_batches, num_samples=num_samples, forward_fn=forward_fn, device=device, layers=layers,
         exact=exact, autocast=autocast, sync=sync, group=group, unbiased=unbiased, progress=progress, rtol=rtol,
-        min_batches=min_batches, timeout=timeout, log_period=log_period, prior=prior,
-    )
+        min_batches=min_batches, timeout=timeout, log_period=log_period, prior=prior)
     return recalibrate(model, data, opts)
 
 
