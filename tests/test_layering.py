@@ -19,7 +19,7 @@ LAYERS = [
     ["api", "caffe2.backend"],
     ["step_cache"],
     ["hooks", "helper"],
-    ["lightning", "classy"],
+    ["lightning", "classy", "mmengine"],
     ["checkpoint"],
     ["cli"],
 ]
