@@ -76,9 +76,7 @@ def render(argv, rows: List[Dict[str, Any]], intact: bool, subnets: int, steps: 
         table.append([row["label"], "{:,.0f}".format(statistics.mean(row["samples"])),
                       "{:.3f}".format(statistics.median(row["seconds"])), "{:.1%}".format(statistics.mean(row["acc"])),
                       "{:.2%}".format(statistics.mean(gaps)), "{:.2%}".format(max(gaps))])
-    return "\n\n".join([
-        "## Recalibrating pruned subnets (`benchmarks/compression.py`)",
-        "Command: `{}`. {}".format(common.command_line(argv), common.environment_text(torch.get_num_threads())),
+    return "\n\n".join(common.section_head("Recalibrating pruned subnets (`benchmarks/compression.py`)", argv) + [
         "{} subnets of the demo's CNN ({} training steps), pruned by `examples/compression_loop.py`; each "
         "recalibrated inside `recalibrated(...)`, scored on the held-out digits, put back. Seconds: "
         "the recalibration per subnet (median, `report.seconds`); accuracy: mean over subnets; gap: "

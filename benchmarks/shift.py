@@ -173,9 +173,7 @@ def render(args, argv, results, cfg: Config) -> str:
     versus = [[size] + ["{:+.1f}".format(100 * (_mean_corrupted(results, "prior={}".format(p), size)
                                                - _mean_corrupted(results, "robusta N={}".format(p), size)))
                         for p in ROBUSTA] for size in sorted(cfg.sizes)]
-    return "\n\n".join([
-        "## Test-time adaptation under corruptions (`benchmarks/shift.py`)",
-        "Command: `{}`. {}".format(common.command_line(argv), common.environment_text(torch.get_num_threads())),
+    return "\n\n".join(common.section_head("Test-time adaptation under corruptions (`benchmarks/shift.py`)", argv) + [
         "The demo's CNN ({} training steps on the digits' training split), its statistics recomputed on "
         "that split (the source). Each row: the held-out digits corrupted; a method sees n = {} corrupted "
         "images drawn at random and is scored on the whole corrupted held-out set; mean over {} draws. "

@@ -12,6 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from cli_factories import batches as cli_batches
+from cli_factories import trained_net
+from cli_helpers import TRUST, load, run_cli
 from interrupt_cases import make_batches, make_model, model_state
 from precise_bn import ConfigError, UndoError, recalibrated, recompute
 from precise_bn.cli.parser import build_parser
@@ -233,6 +236,19 @@ def test_a_bad_prior_is_refused_when_given(bad):
         recompute(ConvNet(), [], prior=bad)
 
 
-def test_the_command_line_takes_prior():
+def test_the_command_line_takes_prior(tmp_path, capsys):
     args = build_parser().parse_args(["recompute", "model.pt", "--model", "m:f", "--data", "d:f", "--prior", "16"])
     assert args.prior == 16.0
+    net = trained_net()
+    path, out = tmp_path / "c.pt", tmp_path / "out.pt"
+    torch.save({"model": net.state_dict()}, str(path))
+    assert run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:batches",
+                   "--prior", "16", "--output", out, "-q", *TRUST).returncode == 0
+    state = load(out)["model"]
+    data = cli_batches()
+    n = sum(len(x) for x, _ in data)
+    for name, (mean_t, var_t, _) in float64_reference(net, data).items():
+        mean_s, var_s = net.state_dict()[name + ".running_mean"].double(), net.state_dict()[name + ".running_var"].double()
+        mean = (16 * mean_s + n * mean_t) / (16 + n)
+        var = (16 * var_s + n * var_t) / (16 + n) + 16 * n * (mean_s - mean_t) ** 2 / (16 + n) ** 2
+        assert_close_default(state[name + ".running_mean"], state[name + ".running_var"], mean, var, name)
