@@ -183,8 +183,8 @@ def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Itera
     # raised, and again if an interrupt cut the first put-back short (``release`` is idempotent).
     written: List[BNReport] = []
     try:
-        recalibrate(model, data, opts, on_write=written.append)
-        yield written[0]
+        report = recalibrate(model, data, opts, on_write=written.append)
+        yield written[0] if written else report  # nothing written: no BN layer to recompute
         _release(written)
     except BaseException:
         _release(written)

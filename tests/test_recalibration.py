@@ -131,11 +131,13 @@ def test_undo_refuses_and_changes_nothing_when_the_stats_changed_since(change):
     assert model_state(model) == changed
 
 
-def test_a_report_without_layers_undoes_nothing():
+def test_a_model_without_bn_layers_has_nothing_to_undo():
     model = nn.Sequential(nn.Linear(3, 3))
-    report = recompute(model, [torch.randn(2, 3)], progress=False)
     before = model_state(model)
+    report = recompute(model, [torch.randn(2, 3)], progress=False)
     report.undo()
+    with recalibrated(model, [torch.randn(2, 3)], progress=False) as inside:
+        assert len(inside) == 0
     assert model_state(model) == before
 
 
