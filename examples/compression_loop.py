@@ -19,7 +19,7 @@ import argparse
 import random
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
