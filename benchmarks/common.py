@@ -229,3 +229,9 @@ def plain_log_ticks(ax, values: Sequence[float]) -> None:
     ax.set_xticklabels([str(v) for v in values], rotation=45 if len(values) > 4 else 0)
     ax.minorticks_off()
     ax.grid(True, alpha=0.3)
+
+
+def section_head(title: str, argv: Optional[Sequence[str]]) -> List[str]:
+    """A section's title and the line naming the command and the machine."""
+    return ["## " + title,
+            "Command: `{}`. {}".format(command_line(argv), environment_text(torch.get_num_threads()))]

@@ -21,20 +21,21 @@ from .errors import (
     NonFiniteStatsError,
     PreciseBNError,
     PreciseBNWarning,
+    UndoError,
     UnsafeCheckpointError,
 )
 
 #: Names imported on first use, by module: ``import precise_bn`` (and so the ``precise-bn``
 #: command's start) does not wait for torch until something needs it.
 _LAZY = {
-    "recompute": ".api", "update_bn": ".api", "update_bn_stats": ".api",
+    "recompute": ".api", "recalibrated": ".api", "update_bn": ".api", "update_bn_stats": ".api",
     "PopulationStats": ".estimator", "BatchNormHelper": ".helper", "PreciseBNHook": ".hooks",
     "Options": ".options", "get_bn_modules": ".pytorch.layers", "select_layers": ".pytorch.layers",
     "BNReport": ".report", "LayerReport": ".report",
 }
 
 if TYPE_CHECKING:
-    from .api import recompute, update_bn, update_bn_stats
+    from .api import recalibrated, recompute, update_bn, update_bn_stats
     from .estimator import PopulationStats
     from .helper import BatchNormHelper
     from .hooks import PreciseBNHook
@@ -71,9 +72,11 @@ __all__ = [
     "PreciseBNError",
     "PreciseBNHook",
     "PreciseBNWarning",
+    "UndoError",
     "UnsafeCheckpointError",
     "__version__",
     "get_bn_modules",
+    "recalibrated",
     "recompute",
     "select_layers",
     "update_bn",

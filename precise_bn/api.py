@@ -5,8 +5,9 @@ the defaults their originals have (see the table of differences in docs/dropins.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ def recompute(
     min_batches: int = DEFAULT_MIN_BATCHES,
     timeout: Union[None, float, datetime.timedelta] = DEFAULT_TIMEOUT,
     log_period: Optional[int] = 20,
+    prior: float = 0.0,
 ) -> BNReport:
     """Recompute the BN layers' running stats as the population statistics of their inputs.
 
@@ -73,6 +75,7 @@ def recompute(
         min_batches: batches read (over all ranks) before ``rtol`` may stop the pass.
         timeout: seconds a rank waits for the others before raising DistributedError (None: no limit).
         log_period: without a bar, log the time per batch every this many batches.
+        prior: the running stats count as this many samples, pooled with those read (docs/recalibration.md).
 
     Returns:
         A :class:`~precise_bn.BNReport`: per layer, elements and calls seen, old and new stats,
@@ -142,14 +145,55 @@ def recalibrate(
     ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None.
     ``explain_batches``: turn a batch the model refuses into a BatchError (default: when the
     batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the
-    default forward in its own says so)."""
+    default forward in its own says so). The report keeps the pass's snapshot, taken in the write's critical section, for ``report.undo()``."""
+    made: List[BNPass] = []
 
     def make_backend() -> BNPass:
         net = unwrap_model(model)
         forward = opts.forward_fn or default_forward
-        return BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
-                      autocast=opts.autocast,
-                      explain_batches=(opts.forward_fn is None and forward is smart_forward) if explain_batches is None
-                      else explain_batches)
+        explain = opts.forward_fn is None and forward is smart_forward if explain_batches is None else explain_batches
+        made.append(BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
+                           autocast=opts.autocast, explain_batches=explain))
+        return made[-1]
 
-    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=on_write)
+    def written(report: BNReport) -> None:
+        report.snapshot = made[-1].snapshot(opts.sync, opts.group, opts.timeout)
+        if on_write is not None:
+            on_write(report)
+
+    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=written)
+
+
+def recalibrated(model: nn.Module, data: Iterable[Any], **options: Any) -> ContextManager[BNReport]:
+    """``with recalibrated(model, data, **options) as report:`` the model runs with recomputed
+    BN statistics inside the block only.
+
+    On entry, :func:`recompute` with ``options`` (checked now, when given); on exit, however the
+    block is left (an exception, ``KeyboardInterrupt``), every buffer of the recomputed layers is
+    put back bit for bit, as the same tensor objects, whatever happened to them inside the
+    block, unless ``report.undo()`` already did. For compression and architecture-search loops:
+    recalibrate a subnet, evaluate it, go back. See ``docs/recalibration.md``.
+    """
+    return _recalibrated(model, data, Options.build("recalibrated", **options))
+
+
+@contextlib.contextmanager
+def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Iterator[BNReport]:
+    # A generator, not a class: a signal handled on entering a class's ``__exit__`` would skip
+    # it, while a generator left suspended is closed (running its ``finally``) when its context
+    # manager is dropped. The report is taken inside the write's critical section, so no instant
+    # after the write escapes the ``except``, which puts the statistics back whatever the block
+    # raised, and again if an interrupt cut the first put-back short (``release`` is idempotent).
+    written: List[BNReport] = []
+    try:
+        report = recalibrate(model, data, opts, on_write=written.append)
+        yield written[0] if written else report  # nothing written: no BN layer to recompute
+        _release(written)
+    except BaseException:
+        _release(written)
+        raise
+
+
+def _release(written: List[BNReport]) -> None:
+    if written and written[0].snapshot is not None:
+        written[0].snapshot.release()

@@ -28,7 +28,7 @@ import torch
 from .data import batches_for_samples, planned_batches
 from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
 from .errors import EmptyDataError, NonFiniteStatsError, warn
-from .estimator import PopulationStats
+from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .report import UNTRUSTED_RTOL, BNReport, LayerReport
 from .signals import Relays
@@ -369,9 +369,14 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
             raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
                 " on any rank" if ranks.world > 1 else ""))
         warn_if_short(opts, outcome, budget_name)
-        results = finalize(outcome.stats, opts.unbiased, backend.dtypes)
+        targets = finalize(outcome.stats, opts.unbiased, backend.dtypes)
+        results = [t if t is None or not opts.prior else pool_with_prior(o, t, opts.prior, outcome.samples)
+                   for o, t in zip(old, targets)]
         report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
                               world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
+        if opts.prior:
+            for layer, target in zip(report.layers, targets):
+                layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
         name_untrusted(backend, outcome.stats, report)
         logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                     report.samples, report.seconds, report.stop)

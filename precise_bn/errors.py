@@ -47,6 +47,10 @@ class Fix(NamedTuple):
     why: str = ""
 
 
+class UndoError(PreciseBNError):
+    """``report.undo()`` would overwrite statistics changed since the call (or undo twice); nothing was undone."""
+
+
 class CheckpointError(PreciseBNError):
     """A checkpoint cannot be read, matched to the model, or written; the message names file and key.
 

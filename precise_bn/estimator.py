@@ -331,3 +331,24 @@ class PopulationStats:
         stats.u.copy_(body[3].reshape(3, channels))
         stats.cov.copy_(body[4].reshape(6, channels))
         return stats
+
+
+def pool_with_prior(source: Tuple[torch.Tensor, torch.Tensor], target: Tuple[torch.Tensor, torch.Tensor],
+                    prior: float, samples: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The source statistics, counted as ``prior`` samples, and the target's, measured on
+    ``samples`` samples, pooled per channel as one population (float64 ``(mean, var)``).
+
+    Chan's merge with the source as one more call: with ``N = prior``, ``n = samples`` and
+    ``d = mu_t - mu_s``, the mean is ``mu_s + d n / (N + n)`` and the variance
+    ``(N var_s + n var_t) / (N + n) + N n d^2 / (N + n)^2``. The last term is the spread between
+    the two domains' means: a mixture of two populations is wider than either when their means
+    differ, so leaving it out (``prior * var_s + (1 - prior) * var_t``) understates the variance
+    exactly when the domain moved. Every term is non-negative.
+    """
+    mu_t, var_t = target
+    mu_s, var_s = (t.to(mu_t.device, torch.float64) for t in source)
+    total = prior + samples
+    delta = mu_t - mu_s
+    mean = mu_s + delta * (samples / total)
+    var = (var_s * prior + var_t * samples) / total + delta.square() * (prior * samples / (total * total))
+    return mean, var

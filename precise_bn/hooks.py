@@ -18,7 +18,7 @@ without it: every random generator it draws from is put back (see :mod:`precise_
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence
 
 from torch import nn
 
@@ -125,6 +125,20 @@ class PreciseBNHook:
         same step, with the same weights, it only writes the cached stats back.
         """
         return self._at(step, self.checkpoint_period, loaded_from)
+
+    def write_into(self, state: Dict[str, Any], prefix: str = "") -> List[str]:
+        """Write the cached stats into ``state``, a state dict built before the hook ran (a
+        checkpoint's, which may hold copies of the buffers), each value converted to its entry's
+        dtype and device; returns the keys ``state`` lacks."""
+        missing = []
+        for name, (mean, var) in (self.cached_stats or {}).items():
+            for suffix, value in ((".running_mean", mean), (".running_var", var)):
+                key = prefix + name + suffix
+                if key in state:
+                    state[key] = value.to(state[key])
+                else:
+                    missing.append(key)
+        return missing
 
     def _at(self, step: int, period: int, loaded_from: Any) -> Optional[BNReport]:
         if not self.enabled or step % period != 0:

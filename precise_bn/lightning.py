@@ -196,17 +196,7 @@ class PreciseBNCallback(pl.Callback):
         hook = self._get_hook(trainer, pl_module)
         if hook is None or hook.before_checkpoint(trainer.global_step, trainer.ckpt_path) is None:
             return
-        assert hook.cached_stats is not None
-        state = checkpoint.get("state_dict", {})
-        prefix = self.attribute + "." if self.attribute else ""
-        missing = []
-        for name, (mean, var) in hook.cached_stats.items():
-            for suffix, value in ((".running_mean", mean), (".running_var", var)):
-                key = prefix + name + suffix
-                if key in state:
-                    state[key] = value.to(state[key])
-                else:
-                    missing.append(key)
+        missing = hook.write_into(checkpoint.get("state_dict", {}), self.attribute + "." if self.attribute else "")
         if missing:
             warnings.warn(
                 "PreciseBNCallback: the checkpoint's state_dict has no entry {}: the file keeps "

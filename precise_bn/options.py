@@ -135,6 +135,9 @@ class Options:
         "(`None` or `inf`: no limit)")
     log_period: Optional[int] = _option(
         20, "without a bar, a log line (logger `precise_bn`) every this many batches (`None`: none)")
+    prior: float = _option(
+        0.0, "test-time adaptation: pool the current running statistics, counted as this many samples, with "
+        "the data's (`0`: the data alone; see docs/recalibration.md)")
 
     def __post_init__(self) -> None:
         positive_int("num_batches", self.num_batches)
@@ -158,6 +161,10 @@ class Options:
         positive_int("min_batches", self.min_batches, allow_none=False)
         positive_int("log_period", self.log_period)
         object.__setattr__(self, "timeout", _timeout(self.timeout))
+        if isinstance(self.prior, bool) or not isinstance(self.prior, numbers.Real) or not 0 <= self.prior < float("inf"):
+            raise ConfigError("prior must be a number of samples >= 0 (0: the target data alone), got {!r}".format(
+                self.prior))
+        object.__setattr__(self, "prior", float(self.prior))
 
     @classmethod
     def build(cls, where: str, *, also_known: Sequence[str] = (), **kwargs: Any) -> "Options":

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from .errors import UndoError
+from .snapshot import Snapshot
 
 #: What the report's numbers mean; printed in the JSON report and the README.
 DEFINITIONS = {
     "mean_drift": "largest |new mean - old mean| / sqrt(new var + eps) over the layer's channels: "
-                  "how far the running mean moved, in units of the new std",
+                  "how far the running mean moved, in units of the new std (with a prior, new is the "
+                  "target data's own statistics: how far the domain moved)",
     "var_drift": "largest |new var - old var| / (new var + eps) over the layer's channels: the "
-                 "relative change of the running variance",
+                 "relative change of the running variance (with a prior, of the target data's own)",
     "mean_rel_stderr": "largest mean_stderr / sqrt(new var) over channels with a variance: the "
                        "sampling error of the written mean, in units of the std",
     "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
@@ -55,6 +59,9 @@ class LayerReport:
     itself, by a worst-case bound on the kernel's float32 statistics
     (:mod:`precise_bn.pytorch.trust`, :mod:`precise_bn.caffe2.stats`); always empty with
     ``exact=True``, which measures every call in float64.
+    With a ``prior``, ``new_*`` is what was written (source and target pooled) and
+    ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
+    with the old ones.
     """
 
     name: str
@@ -68,6 +75,14 @@ class LayerReport:
     var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
     untrusted: List[int] = field(default_factory=list)
+    target_mean: Optional[torch.Tensor] = None
+    target_var: Optional[torch.Tensor] = None
+
+    def _moved(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.target_mean is not None and self.target_var is not None:
+            return self.target_mean, self.target_var
+        assert self.new_mean is not None and self.new_var is not None
+        return self.new_mean, self.new_var
 
     @property
     def ran(self) -> bool:
@@ -78,15 +93,16 @@ class LayerReport:
         """See :data:`DEFINITIONS`."""
         if not self.ran:
             return 0.0
-        std = (self.new_var + self.eps).sqrt()
-        return _max((self.new_mean - self.old_mean).abs() / std)
+        mean, var = self._moved()
+        return _max((mean - self.old_mean).abs() / (var + self.eps).sqrt())
 
     @property
     def var_drift(self) -> float:
         """See :data:`DEFINITIONS`."""
         if not self.ran:
             return 0.0
-        return _max((self.new_var - self.old_var).abs() / (self.new_var + self.eps))
+        var = self._moved()[1]
+        return _max((var - self.old_var).abs() / (var + self.eps))
 
     @property
     def mean_rel_stderr(self) -> Optional[float]:
@@ -160,6 +176,17 @@ class BNReport:
     seconds: float = 0.0
     stop: str = "budget"
     rtol: Optional[float] = None
+    snapshot: Optional[Snapshot] = field(default=None, repr=False, compare=False)
+
+    def undo(self) -> None:
+        """Put the recomputed layers' buffers back as they were before the call, bit for bit and
+        the same tensor objects, if nothing changed them since; else raise
+        :class:`~precise_bn.UndoError` and change nothing (see :mod:`precise_bn.snapshot`)."""
+        if self.snapshot is None:
+            if not self.layers:
+                return
+            raise UndoError("undo(): this report keeps no snapshot (only PyTorch recalibrations can be undone)")
+        self.snapshot.undo()
 
     @property
     def unused(self) -> List[str]:

@@ -12,7 +12,7 @@ MAIN_VENV="$ROOT/.venv"
 CAFFE2_VENV="$ROOT/.venv-caffe2"
 MAIN_PINS=(torch==2.14.1 torchvision==0.29.1)
 CAFFE2_PINS=(torch==1.10.2 "setuptools<70" numpy==1.22.4 "protobuf<4" six future typing_extensions networkx==2.8.8)
-MAIN_EXTRAS="test,plot,lightning,classy,bench,timm"
+MAIN_EXTRAS="test,plot,lightning,classy,bench,timm,mmengine"
 CAFFE2_EXTRAS="test"
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }

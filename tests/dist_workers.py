@@ -247,6 +247,29 @@ def _sliced_merge(rank: int, world: int) -> Result:
     return {"merged": [s.state() for s in ranks.assemble(part)], "worst": worst, "received": ranks.received}
 
 
+def _undo(rank: int, world: int) -> Result:
+    """Every rank recomputes with a prior (n: the samples of all ranks), then undoes."""
+    model = make_model()
+    before = outcome(model)["buffers"]
+    report = recompute(model, rank_batches(UNEVEN, rank), prior=8, timeout=LONG_TIMEOUT)
+    result = outcome(model, report)
+    result["targets"] = {layer.name: (layer.target_mean, layer.target_var) for layer in report.layers}
+    report.undo()
+    after = outcome(model)["buffers"]
+    result["undone"] = all(torch.equal(before[k][i], after[k][i]) for k in before for i in (0, 1))
+    return result
+
+
+def _undo_refused(rank: int, world: int) -> Result:
+    """Rank 1's statistics change after the call: no rank may undo."""
+    model = make_model()
+    report = recompute(model, rank_batches(UNEVEN, rank), timeout=LONG_TIMEOUT)
+    if rank == 1:
+        with torch.no_grad():
+            model[4].running_var.mul_(2)
+    return raised(model, report.undo)
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "sliced_merge": _sliced_merge,
     "kernel": _plain,
@@ -261,11 +284,13 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "syncbn": _syncbn,
     "subgroup": _subgroup,
     "layout_mismatch": _layout_mismatch,
+    "undo": _undo,
     # Last: if a rank's failure were not propagated, the others would wait until the timeout.
     "failure": _failure,
     "interrupt": _interrupt,
     "lazy_layer": _lazy_layer,
     "warning_as_error": _warning_as_error,
+    "undo_refused": _undo_refused,
 }
 
 # Far above how long any scenario takes: an error message that names this wait would mean the

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from precise_bn import PreciseBNHook, recompute, update_bn_stats
+from precise_bn import BNReport, PreciseBNHook, recalibrated, recompute, update_bn_stats
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks")
@@ -194,13 +194,36 @@ def _hook_reapply_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     return Case("hook-reapply", model, lambda: hook.before_eval(1), reset, lambda: _cache_state(hook))
 
 
-CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply")
+def _recalibrated_case(blocks: int, batches: List[torch.Tensor]) -> Case:
+    """A ``with recalibrated(...)`` block, entered and left: the model ends as it started."""
+
+    def call(model: nn.Module) -> None:
+        with recalibrated(model, batches, progress=False):
+            pass
+
+    return _function_case("recalibrated", blocks, call)
+
+
+def _undo_case(blocks: int, batches: List[torch.Tensor]) -> Case:
+    """``report.undo()`` after a recompute (a fresh recompute before every trial)."""
+    model = make_model(blocks)
+    reports: List[BNReport] = []
+    reset = _restorer(model)
+
+    def recomputed() -> None:
+        reset()
+        reports[:] = [recompute(model, batches, progress=False)]
+
+    return Case("undo", model, lambda: reports[0].undo(), recomputed)
+
+
+CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply", "recalibrated", "undo")
 
 
 def make_case(name: str, blocks: int, num_batches: int) -> Case:
     """One of :data:`CASE_NAMES`, with its expected state: ``recompute`` (default and
     ``exact``), ``update_bn_stats``, a hook's recomputation at a new step and its re-apply of
-    the cached stats at the same step."""
+    the cached stats at the same step, a ``recalibrated`` block, ``undo`` after a recompute."""
     batches = make_batches(num_batches)
     if name == "recompute":
         case = _function_case(name, blocks, lambda m: recompute(m, batches, num_batches=num_batches, progress=False))
@@ -210,6 +233,10 @@ def make_case(name: str, blocks: int, num_batches: int) -> Case:
         case = _function_case(name, blocks, lambda m: update_bn_stats(m, batches, num_iters=num_batches))
     elif name == "hook-recompute":
         case = _hook_recompute_case(blocks, batches)
+    elif name == "recalibrated":
+        case = _recalibrated_case(blocks, batches)
+    elif name == "undo":
+        case = _undo_case(blocks, batches)
     else:
         case = _hook_reapply_case(blocks, batches)
     return case.prepare()

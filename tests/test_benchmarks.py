@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from precise_bn import recalibrated
 from reference import float64_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +103,35 @@ def test_streaming_reference_matches_the_test_suites_reference():
     for name, (mean, var) in ours.items():
         torch.testing.assert_close(mean, theirs[name][0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(var, theirs[name][1], rtol=1e-12, atol=1e-12)
+
+
+def test_the_shift_and_compression_scripts_run_quick_and_undo_every_recalibration(tmp_path):
+    import compression
+    import shift
+
+    threads = torch.get_num_threads()
+    try:
+        shift.main(["--quick", "--out", str(tmp_path)])
+        compression.main(["--quick", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    text = (tmp_path / "SHIFT_RESULTS.md").read_text()
+    assert "| contrast | 3 |" in text and "76.7% to 62.2%" in text
+    assert (tmp_path / "shift.png").read_bytes()[:8] == PNG
+    text = (tmp_path / "COMPRESSION_RESULTS.md").read_text()
+    assert "| fixed 2,000 samples |" in text and "every bit it started with: **yes**" in text
+
+
+def test_robustas_mixing_in_the_shift_benchmark_is_what_it_is_described_as():
+    import shift
+
+    model = nn.Sequential(nn.BatchNorm2d(4))
+    with torch.no_grad():
+        model[0].running_mean.fill_(1.0)
+        model[0].running_var.fill_(2.0)
+    batches = _bn_only_batches()
+    with recalibrated(model, batches) as report:
+        shift._robusta(model, report, 0.25)
+        target = float64_reference(model, batches)["0"]
+        assert torch.allclose(model[0].running_mean.double(), 0.25 * 1.0 + 0.75 * target[0], rtol=1e-6)
+        assert torch.allclose(model[0].running_var.double(), 0.25 * 2.0 + 0.75 * target[1], rtol=1e-6)

@@ -212,6 +212,31 @@ def test_two_devices_match_float64_reference_and_agree(c2):
 
 
 @caffe2_env
+def test_prior_pools_the_nets_running_stats_with_the_target(c2):
+    """``prior=N`` on the Caffe2 path: the blobs' old stats, as N samples, pooled with the
+    n = 48 samples read (Chan's formula), against the float64 reference of the target."""
+    model, inputs = two_device_model(c2)
+    feeds = two_device_data(6)
+    helper = BatchNormHelper(backend="caffe2", iters=6, num_gpus=2, root_gpu_id=0, device_prefix="gpu",
+                             bn_epsilon=EPS, prior=16)
+    helper.create_bn_aux_model(model, feeds)
+    layers = ("in", "conv1", "conv2")
+    old = {layer: [a.astype(np.float64) for a in fed(c2, "gpu_0", layer)] for layer in layers}
+    report = helper.compute_and_update_bn_stats(curr_iter=100)
+    result = {layer: fed(c2, "gpu_0", layer) for layer in layers}
+    ref = forward_reference(c2, model.net, feeds, inputs)
+    n, prior = report.samples, 16
+    assert n == 48
+    for layer in layers:
+        (mean_s, var_s), (mean_t, var_t) = old[layer], ref[layer][:2]
+        mean = (prior * mean_s + n * mean_t) / (prior + n)
+        var = (prior * var_s + n * var_t) / (prior + n) + prior * n * (mean_s - mean_t) ** 2 / (prior + n) ** 2
+        np.testing.assert_allclose(result[layer][0], mean, rtol=1e-5, atol=1e-5, err_msg=layer)
+        np.testing.assert_allclose(result[layer][1], var, rtol=1e-4, atol=1e-6, err_msg=layer)
+        assert not np.allclose(var, (prior * var_s + n * var_t) / (prior + n), rtol=1e-3)
+
+
+@caffe2_env
 def test_same_iteration_reapplies_cache_without_running(c2):
     _, workspace, _, _, _ = c2
     model, _ = two_device_model(c2)

@@ -168,15 +168,37 @@ def test_failure_on_one_rank_raises_on_all_instead_of_hanging(world_runs):
     assert all(r["unchanged"] for r in per_rank)
 
 
+def test_prior_pools_the_samples_of_every_rank_and_undo_restores_every_rank(world_runs):
+    world, per_rank = scenario(world_runs, "undo")
+    assert_identical_on_all_ranks(per_rank, "undo")
+    model = W.make_model()
+    union = W.union_batches(W.UNEVEN, world)
+    ref = float64_reference(model, union)
+    samples = sum(b.shape[0] for b in union)
+    for name, m in model.named_modules():
+        if name in ref:
+            mean_t, var_t, _ = ref[name]
+            mean_s, var_s = m.running_mean.double(), m.running_var.double()
+            total = 8 + samples
+            mean = (8 * mean_s + samples * mean_t) / total
+            var = (8 * var_s + samples * var_t) / total + 8 * samples * (mean_s - mean_t) ** 2 / total ** 2
+            new_mean, new_var, _, _ = per_rank[0]["layers"][name]
+            assert_close_default(new_mean, new_var, mean, var, name)
+            assert_close_default(*per_rank[0]["targets"][name], mean_t, var_t, name)
+    assert all(r["undone"] for r in per_rank)
+
+
 @pytest.mark.parametrize("name, failing, error", [
     ("interrupt", 1, "KeyboardInterrupt"),
     ("lazy_layer", 1, "LayerError"),
     ("warning_as_error", 0, "PreciseBNWarning"),
+    ("undo_refused", 1, "UndoError"),
 ])
 def test_any_exception_on_one_rank_makes_every_rank_fail_together(world_runs, name, failing, error):
     """Ctrl-C mid-pass, a LayerError before the first round, a warning turned into an error after
-    the merge: the failing rank raises its own error, every other rank a DistributedError naming
-    it (told in a round, not timed out), and no rank changes its model."""
+    the merge, an undo that one rank refuses: the failing rank raises its own error, every other
+    rank a DistributedError naming it (told in a round, not timed out), and no rank changes its
+    model."""
     world, per_rank = scenario(world_runs, name)
     assert per_rank[failing]["error"] == error, per_rank[failing]
     for rank in range(world):

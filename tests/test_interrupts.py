@@ -57,10 +57,11 @@ def test_a_handler_that_does_not_raise_never_costs_the_write(name):
 
 
 @thread_timeout
-@pytest.mark.parametrize("name", ["hook-recompute", "hook-reapply"])
+@pytest.mark.parametrize("name", ["hook-recompute", "hook-reapply", "recalibrated", "undo"])
 def test_an_exception_at_every_line_leaves_the_model_whole(name):
     """A hook's recomputation runs every line a ``recompute`` runs once its options are built,
-    and the step cache's; the benchmark runs the other cases too."""
+    and the step cache's; a ``recalibrated`` block every line of a recompute and of the
+    restore on exit; the benchmark runs the other cases too."""
     trials = line_trials(make_case(name, SMALL_BLOCKS, num_batches=2))
     assert trials and all(t.landed and t.raised for t in trials), "an injected interrupt was swallowed: {}".format(
         [t.where for t in trials if not t.raised][:5])
@@ -68,7 +69,7 @@ def test_an_exception_at_every_line_leaves_the_model_whole(name):
 
 @thread_timeout
 @pytest.mark.parametrize("raising", [True, False], ids=["raising", "counting"])
-@pytest.mark.parametrize("name,stride", [("hook-reapply", 1), ("recompute", 5)])
+@pytest.mark.parametrize("name,stride", [("hook-reapply", 1), ("recompute", 5), ("recalibrated", 5), ("undo", 1)])
 def test_a_signal_at_every_line_is_deferred_or_raised_never_lost(name, stride, raising):
     """Every fifth of the 1,500-odd lines of a recompute keeps the test short; the benchmark
     runs every line of every case."""

@@ -13,13 +13,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 LAYERS = [
     ["errors", "_version", "atomic", "digits", "rng"],
     ["options", "estimator", "slices"],
-    ["data", "distributed", "report", "signals"],
+    ["data", "distributed", "report", "signals", "snapshot"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],
     ["api", "caffe2.backend"],
     ["step_cache", "torch_aux"],
     ["hooks", "helper"],
-    ["lightning", "classy"],
+    ["lightning", "classy", "mmengine"],
     ["checkpoint"],
     ["cli"],
 ]

@@ -54,6 +54,8 @@ def _recompute(args: argparse.Namespace) -> None:
                                    "progress": False if args.quiet else None}
         if args.min_batches is not None:
             options["min_batches"] = args.min_batches
+        if args.prior:
+            options["prior"] = args.prior
         report, _ = recompute_checkpoint(
             args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
             batch_size=args.batch_size, seed=args.seed, augment=args.augment, output=args.output,

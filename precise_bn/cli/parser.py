@@ -109,6 +109,8 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     rec.add_argument("--exact", action="store_true", help=option_help("exact"))
     rec.add_argument("--rtol", type=float, help=option_help("rtol"))
     rec.add_argument("--min-batches", type=_positive_int, help=option_help("min_batches"))
+    rec.add_argument("--prior", type=float, default=0.0, metavar="N",
+                     help=option_help("prior") + " (the checkpoint's running stats are the source)")
     rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                      help=option_help("timeout") + ", under torchrun (default %(default)g)")
     where = rec.add_mutually_exclusive_group()

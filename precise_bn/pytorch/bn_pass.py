@@ -25,6 +25,7 @@ from ..estimator import PopulationStats
 from ..options import ForwardFn
 from ..report import UNTRUSTED_RTOL
 from ..signals import Relays, checkpoint, critical, write_last
+from ..snapshot import Snapshot
 from .capture import CallCapture, Scratch, flush
 from .layers import NamedLayer, no_layer_message
 from .sharding import FullParameters
@@ -171,6 +172,14 @@ class BNPass:
                 self._attached.pop()
             self.sharding.restore()
             self._restore_buffers()
+
+    def snapshot(self, sync: Optional[bool] = None, group: Any = None, timeout: float = 300.0) -> Snapshot:
+        """The recomputed layers' buffers as before the call and as they are now: called right
+        after the write, it keeps what :meth:`restore` would have put back, so the call can be
+        undone later (``report.undo()``)."""
+        names = {id(module): name for name, module in self.layers}
+        return Snapshot([(names[id(module)], module, key, buf, saved) for module, key, buf, saved in self._saved
+                         if id(module) in names], sync, group, timeout)
 
     def _restore_buffers(self) -> None:
         # Some torch versions rebind a buffer (``num_batches_tracked = num_batches_tracked + 1``):

@@ -1,0 +1,25 @@
+"""The demo's model and data for ``shift.py`` and ``compression.py``, imported in this one place
+so that a move of the demo's code only changes the import below."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor, nn
+
+from precise_bn.cli.demo import BATCH_SIZE, DEFAULT_STEPS, evaluate, load_digits_splits, make_model, train
+
+__all__ = ["BATCH_SIZE", "accuracy", "trained"]
+
+
+def trained(steps: int = DEFAULT_STEPS, seed: int = 0) -> Tuple[nn.Module, Tensor, Tensor, Tensor, Tensor]:
+    """The demo's CNN trained as the demo trains it: ``(model, train_x, train_y, test_x, test_y)``."""
+    torch.manual_seed(seed)
+    train_x, train_y, test_x, test_y = load_digits_splits(seed)
+    model = train(make_model(), train_x, train_y, steps=steps, batch_size=BATCH_SIZE, seed=seed)
+    return model, train_x, train_y, test_x, test_y
+
+
+def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """Held-out accuracy with the model's running statistics (eval mode)."""
+    return evaluate(model, x, y)[0]

@@ -1,0 +1,139 @@
+"""What a call wrote, kept after it returns, so that it can be undone (``report.undo()``) or
+undone whatever happened since (the end of a ``with recalibrated(...)`` block).
+
+The snapshot is the one every failure path of a pass already restores: each buffer of the
+recomputed layers (``running_mean``, ``running_var``, ``num_batches_tracked``, ...), the tensor
+object itself and a copy of its value before the call. Next to it, how the call left each
+buffer: the tensor's ``_version`` counter (every in-place write bumps it, views and
+``load_state_dict`` included) and a copy of its bits (a write through ``.data`` bypasses the
+counter). :meth:`Snapshot.undo` puts the old values back only if every buffer is still the same
+object with the same counter and the same bits; otherwise it would silently overwrite a change
+made since (a training step, another recalibration, a loaded checkpoint), so it raises
+:class:`~precise_bn.UndoError` and changes nothing.
+
+The put-back itself is one critical section (:mod:`precise_bn.signals`): an interrupt never
+leaves some layers undone and others not. With several ranks, every rank checks its own model,
+then one round tells all of them whether any rank refused, so either all undo or none does.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .distributed import ACTIVE, Ranks, resolve_sync
+from .errors import UndoError
+from .signals import Relays, critical, write_last
+
+_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers, so that NaN equals NaN and -0.0 differs from 0.0."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view(_SAME_WIDTH_INTS[flat.element_size()])
+    return flat
+
+
+@dataclass
+class BufferRecord:
+    """One buffer of a recomputed layer: before the call, and as the call left it."""
+
+    layer: str
+    module: Callable[[], Any]
+    key: str
+    tensor: torch.Tensor
+    before: torch.Tensor
+    version: int
+    written: torch.Tensor
+
+    def change(self) -> str:
+        """What changed since the call wrote, or "" if nothing did."""
+        module = self.module()
+        if module is None:
+            return "the layer no longer exists"
+        if module._buffers.get(self.key) is not self.tensor:
+            return "{} was replaced by another tensor".format(self.key)
+        if self.tensor._version != self.version or not torch.equal(_bits(self.tensor), _bits(self.written)):
+            return "{} was written since".format(self.key)
+        return ""
+
+    def put(self, value: torch.Tensor) -> None:
+        module = self.module()
+        if module is not None:
+            module._buffers[self.key] = self.tensor
+            self.tensor.copy_(value)
+
+
+class Snapshot:
+    """The recomputed layers' buffers before a call and as it left them (see the module docstring).
+
+    Build it right after the write, inside the write's critical section: ``saved`` lists
+    ``(layer name, module, key, tensor, value before)`` for every buffer of every recomputed
+    layer. ``sync``, ``group`` and ``timeout`` are the call's, for the round of :meth:`undo`.
+    """
+
+    def __init__(self, saved: List[Any], sync: Optional[bool] = None, group: Any = None, timeout: float = 300.0):
+        self.records = [
+            BufferRecord(name, weakref.ref(module), key, tensor, before, tensor._version, tensor.detach().clone())
+            for name, module, key, tensor, before in saved
+        ]
+        self.sync, self.group, self.timeout = sync, group, timeout
+        self.undone = False
+
+    def changes(self) -> List[str]:
+        """One line per buffer changed since the call wrote ("layer: what")."""
+        return ["layer {!r}: {}".format(r.layer, c) for r in self.records for c in [r.change()] if c]
+
+    def undo(self) -> None:
+        """Put back the statistics from before the call, if nothing changed them since; else
+        raise :class:`~precise_bn.UndoError` (on every rank, if any rank refuses) and change
+        nothing. An interrupt leaves either the call's statistics or the old ones, never a mix."""
+        ranks = Ranks(resolve_sync(self.sync, self.group), self.group, self.timeout)
+        try:
+            if self.undone:
+                raise UndoError("undo(): this recalibration was already undone")
+            changes = self.changes()
+            if changes:
+                raise UndoError(
+                    "undo(): the statistics were changed since the recalibration ({}{}); undoing would "
+                    "overwrite that change, so nothing was undone. Recompute, or load the statistics you "
+                    "want".format("; ".join(changes[:3]), "; ..." if len(changes) > 3 else ""))
+            ranks.exchange(ACTIVE)
+            ranks.finished = True
+        except BaseException:
+            ranks.abort()
+            raise
+        write_last(self._put_back, self._write_again)
+
+    def release(self) -> None:
+        """Put back the statistics from before the call whatever happened since (unless already
+        undone): what leaving a ``with recalibrated(...)`` block does. Idempotent: a caller cut
+        short by an interrupt calls it again on the way out."""
+        if self.undone:
+            return
+        relays = Relays()
+        try:
+            relays.install()
+            with critical():
+                self._put_back()
+            relays.release()
+        except BaseException:
+            relays.release()
+            raise
+
+    def _put_back(self) -> None:
+        with torch.no_grad():
+            for record in self.records:
+                record.put(record.before)
+        self.undone = True
+
+    def _write_again(self) -> None:
+        with torch.no_grad():
+            for record in self.records:
+                record.put(record.written)
+                record.version = record.tensor._version
+        self.undone = False
