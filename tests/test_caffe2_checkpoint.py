@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from precise_bn.caffe2.checkpoint import load_caffe2_pickle, read_caffe2_pickle, save_caffe2_pickle
+from precise_bn.caffe2.checkpoint import read_caffe2_pickle, save_caffe2_pickle
 from precise_bn.caffe2.names import caffe2_to_torch, torch_to_caffe2
 from precise_bn.errors import CheckpointError, UnsafeCheckpointError
 
@@ -80,7 +80,7 @@ def test_round_trip_caffe2_torch_caffe2_is_bit_exact(tmp_path):
 
     path = tmp_path / "model.pkl"
     save_caffe2_pickle(with_base, path)
-    assert_same_bits(load_caffe2_pickle(path), blobs)
+    assert_same_bits(read_caffe2_pickle(path)[1], blobs)
     assert os.listdir(tmp_path) == ["model.pkl"]
 
 
@@ -92,7 +92,7 @@ def test_loads_python3_pickles_of_every_protocol(tmp_path, protocol, layout):
     content = {"blobs": blobs, "cfg": "MODEL:\n  TYPE: generalized_rcnn\n"} if layout == "blobs" else blobs
     path = tmp_path / "ckpt.pkl"
     path.write_bytes(pickle.dumps(content, protocol=protocol))
-    loaded = load_caffe2_pickle(path)
+    loaded = read_caffe2_pickle(path)[1]
     assert set(loaded) == set(blobs)
     for key, value in blobs.items():
         want = np.asarray(value)
@@ -124,7 +124,7 @@ def test_loads_python2_protocol2_pickle(tmp_path):
     data = b"\x80\x02}" + _py2_str(b"blobs") + b"}" + body + b"s."
     path = tmp_path / "py2.pkl"
     path.write_bytes(data)
-    assert_same_bits(load_caffe2_pickle(path), blobs)
+    assert_same_bits(read_caffe2_pickle(path)[1], blobs)
 
 
 class _Evil:
@@ -146,21 +146,21 @@ def test_malicious_pickle_refused_and_nothing_runs(tmp_path, attack):
     path = tmp_path / "evil.pkl"
     path.write_bytes(pickle.dumps({"blobs": {"w": np.ones(3, np.float32), "x": payload}}, protocol=2))
     with pytest.raises(UnsafeCheckpointError) as info:
-        load_caffe2_pickle(path)
+        read_caffe2_pickle(path)[1]
     assert str(path) in str(info.value) and attack in str(info.value) and "nothing was run" in str(info.value)
     assert not marker.exists()
 
 
 def test_unreadable_files_name_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="missing.pkl"):
-        load_caffe2_pickle(tmp_path / "missing.pkl")
+        read_caffe2_pickle(tmp_path / "missing.pkl")[1]
     path = tmp_path / "garbage.pkl"
     path.write_bytes(b"\x00not a pickle at all")
     with pytest.raises(CheckpointError, match="garbage.pkl"):
-        load_caffe2_pickle(path)
+        read_caffe2_pickle(path)[1]
     path.write_bytes(pickle.dumps([np.zeros(2)]))
     with pytest.raises(CheckpointError, match="expected"):
-        load_caffe2_pickle(path)
+        read_caffe2_pickle(path)[1]
 
 
 def test_folded_bn_checkpoint_refused_for_precise_bn():
@@ -205,11 +205,11 @@ def test_save_to_open_file_and_refuse_non_numeric(tmp_path):
     save_caffe2_pickle(blobs, handle)
     path = tmp_path / "stream.pkl"
     path.write_bytes(handle.getvalue())
-    loaded = load_caffe2_pickle(path)
+    loaded = read_caffe2_pickle(path)[1]
     assert loaded["pred_b"].tobytes() == blobs["pred_b"].numpy().tobytes()
     with pytest.raises(CheckpointError, match="'cfg'"):
         save_caffe2_pickle({"cfg": {"a": 1}}, path)
-    assert load_caffe2_pickle(path).keys() == loaded.keys()
+    assert read_caffe2_pickle(path)[1].keys() == loaded.keys()
 
 
 @pytest.mark.main_env

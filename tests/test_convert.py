@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cli_helpers import TRUST, load
-from precise_bn.caffe2.checkpoint import load_caffe2_pickle, save_caffe2_pickle
+from precise_bn.caffe2.checkpoint import read_caffe2_pickle, save_caffe2_pickle
 from precise_bn.cli import main
 from precise_bn.cli.convert import convert_checkpoint
 from precise_bn.errors import CheckpointError
@@ -72,7 +72,7 @@ def test_nl_video_checkpoint_fails_unless_told_what_to_do_with_nonlocal_blocks(t
 
     back = tmp_path / "back.pkl"
     assert main(["convert", str(out), str(back), "-q", "--keep-unmapped", *TRUST]) == 0
-    written = load_caffe2_pickle(back)
+    written = read_caffe2_pickle(back)[1]
     assert sorted(written) == sorted(k for k in blobs if k not in NOT_STATE)
     for name, value in written.items():
         assert value.dtype == blobs[name].dtype and value.tobytes() == blobs[name].tobytes(), name
@@ -104,7 +104,7 @@ def test_torch_names_no_rule_maps_fail_instead_of_an_empty_pickle(tmp_path, caps
         convert_checkpoint(src, out, trust=bool(TRUST))
     report = convert_checkpoint(src, out, unmapped="keep", trust=bool(TRUST))
     assert sorted(report.kept) == sorted(k for k in state if k.startswith("encoder."))
-    written = load_caffe2_pickle(out)
+    written = read_caffe2_pickle(out)[1]
     assert written["res_conv1_bn_riv"].tobytes() == state["bn1.running_var"].numpy().tobytes()
     assert written["encoder.1.running_var"].tobytes() == state["encoder.1.running_var"].numpy().tobytes()
     assert len(written) == len(state)
@@ -177,5 +177,5 @@ def test_torch_to_caffe2_failing_on_a_wrapper_prefix_names_strip_prefix(tmp_path
     assert not (tmp_path / "out.pkl").exists()
     assert main(["convert", str(src), str(tmp_path / "out.pkl"), "-q", "--keep-unmapped", "--strip-prefix", "module.",
                  *TRUST]) == 0, capsys.readouterr().err
-    blobs = load_caffe2_pickle(tmp_path / "out.pkl")
+    blobs = read_caffe2_pickle(tmp_path / "out.pkl")[1]
     assert "conv1_w" in blobs and not any(name.startswith("module") for name in blobs)
