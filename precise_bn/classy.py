@@ -36,7 +36,7 @@ try:
     from classy_vision.hooks import ClassyHook, register_hook
 except ImportError as error:
     raise BackendUnavailableError(
-        "precise_bn.classy needs ClassyVision: pip install 'precise-bn[classy]' "
+        "precise_bn.classy needs ClassyVision: pip install '.[classy]' (from a checkout) "
         "(or pip install classy_vision==0.7.0)"
     ) from error
 

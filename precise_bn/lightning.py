@@ -50,7 +50,7 @@ except ImportError:
         import pytorch_lightning as pl  # type: ignore[no-redef]
     except ImportError as error:
         raise BackendUnavailableError(
-            "precise_bn.lightning needs Lightning: pip install 'precise-bn[lightning]' "
+            "precise_bn.lightning needs Lightning: pip install '.[lightning]' (from a checkout) "
             "(or pip install lightning)"
         ) from error
 

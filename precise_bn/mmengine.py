@@ -35,7 +35,7 @@ try:
     from mmengine.registry import HOOKS
     from mmengine.runner import BaseLoop, IterBasedTrainLoop
 except ImportError as error:
-    raise BackendUnavailableError("precise_bn.mmengine needs mmengine: pip install 'precise-bn[mmengine]'") from error
+    raise BackendUnavailableError("precise_bn.mmengine needs mmengine: pip install '.[mmengine]' (from a checkout)") from error
 
 
 def mm_forward(model: nn.Module, batch: Any) -> Any:

@@ -74,7 +74,7 @@ def _matplotlib(name: str) -> Any:
     try:
         return importlib.import_module("matplotlib." + name)
     except ImportError as exc:
-        raise BackendUnavailableError("--plot needs matplotlib: pip install precise-bn[plot]") from exc
+        raise BackendUnavailableError("--plot needs matplotlib: pip install '.[plot]' (from a checkout)") from exc
 
 
 def plot_format(path: str) -> str:
