@@ -26,8 +26,8 @@ from typing import Any, Dict, Iterable, Iterator, Optional
 from torch import nn
 
 from .errors import BackendUnavailableError, ConfigError, warn
-from .hooks import PreciseBNHook, _check_period
-from .options import Options
+from .hooks import PreciseBNHook
+from .options import Options, positive_int
 
 try:
     from mmengine.hooks import Hook
@@ -71,7 +71,7 @@ class ExactPreciseBNHook(Hook):
                  **options: Any):
         options.setdefault("num_batches", None)
         self.options = Options.build("ExactPreciseBNHook", num_samples=num_samples, **options)
-        _check_period("interval", interval)
+        positive_int("interval", interval, allow_none=False)
         if self.options.num_batches is None and self.options.num_samples is None and self.options.rtol is None:
             raise ConfigError("ExactPreciseBNHook: num_samples, num_batches and rtol are all None: "
                               "a recomputation would read the training data forever")
