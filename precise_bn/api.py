@@ -14,7 +14,7 @@ from torch import nn
 
 from . import driver
 from .data import move_to_device, smart_forward, whole_batch_forward
-from .options import DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec, Options
+from .options import DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec, Options, as_device
 from .pytorch.bn_pass import BNPass
 from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
@@ -127,8 +127,8 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, 
     stats is recomputed whatever its train flag. What differs (exact population statistics,
     dropout left as it was, ...) is listed in docs/dropins.md.
     """
-    opts = Options(device=device, layers="all", progress=False)
-    return recalibrate(model, loader, opts.replace(device=None), _swa_forward(opts.device))
+    # The input alone goes to ``device``, as in swa_utils: the forward moves it, not the pass.
+    return recalibrate(model, loader, Options(layers="all", progress=False), _swa_forward(as_device(device)))
 
 
 def recalibrate(
@@ -145,7 +145,8 @@ def recalibrate(
     ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None.
     ``explain_batches``: turn a batch the model refuses into a BatchError (default: when the
     batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the
-    default forward in its own says so). The report keeps the pass's snapshot, taken in the write's critical section, for ``report.undo()``."""
+    default forward in its own says so). The report keeps the pass's snapshot, taken in the
+    write's critical section, for ``report.undo()``."""
     made: List[BNPass] = []
 
     def make_backend() -> BNPass:

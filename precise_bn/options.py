@@ -45,7 +45,8 @@ def _flag(name: str, value: Any, allow_none: bool = False) -> None:
             name, " (or None)" if allow_none else "", value))
 
 
-def _device(value: Any) -> Optional[torch.device]:
+def as_device(value: Any) -> Optional[torch.device]:
+    """``value`` as a ``torch.device`` (None stays None); a ConfigError says why it cannot be one."""
     if value is None:
         return None
     try:
@@ -62,7 +63,8 @@ def _device(value: Any) -> Optional[torch.device]:
     return device
 
 
-def _layers(value: Any) -> None:
+def check_layers(value: Any) -> None:
+    """Raise ConfigError unless ``value`` is a valid ``layers`` option (see :class:`Options`)."""
     if value is None or value == "all":
         return
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
@@ -147,8 +149,8 @@ class Options:
         if self.forward_fn is not None and not callable(self.forward_fn):
             raise ConfigError("forward_fn must be callable as forward_fn(model, batch), got {!r}".format(
                 self.forward_fn))
-        object.__setattr__(self, "device", _device(self.device))
-        _layers(self.layers)
+        object.__setattr__(self, "device", as_device(self.device))
+        check_layers(self.layers)
         _flag("exact", self.exact)
         _autocast(self.autocast)
         _flag("sync", self.sync, allow_none=True)

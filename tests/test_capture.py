@@ -1,7 +1,6 @@
 """The per-call capture: blocks that fill and merge, the grouped flush, subclasses."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

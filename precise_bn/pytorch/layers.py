@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..errors import ConfigError, LayerError
-from ..options import LayerSpec
+from ..options import LayerSpec, check_layers
 
 logger = logging.getLogger("precise_bn")
 
@@ -114,15 +114,14 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
     :class:`LayerError` for a lazy layer not yet materialised, or one whose ``forward`` was
     replaced on the instance.
     """
+    check_layers(layers)
     named = [(name, m) for name, m in named_modules(model) if is_tracking_bn(m)]
     if layers is None:
         chosen = [(n, m) for n, m in named if m.training]
         if not chosen and named and not model.training:
             logger.info("model is in eval mode: recomputing all %d BatchNorm layers", len(named))
             chosen = named
-    elif isinstance(layers, str):
-        if layers != "all":
-            raise ConfigError("layers must be None, 'all' or a list of modules/names, got {!r}".format(layers))
+    elif layers == "all":
         chosen = named
     else:
         chosen = by_spec(model, layers)
