@@ -1,6 +1,6 @@
 """The entry points for PyTorch models: :func:`recompute`, and the fvcore and swa_utils drop-ins.
 
-All three run :func:`recalibrate`; they differ only in how a batch reaches the model and in
+All three run :func:`recalibrate_module`; they differ only in how a batch reaches the model and in
 the defaults their originals have (see the table of differences in docs/dropins.md).
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def recompute(
     """
     given = locals()
     opts = Options(**{name: given[name] for name in OPTION_FIELDS})
-    return recalibrate(model, data, opts)
+    return recalibrate_module(model, data, opts)
 
 
 def update_bn_stats(
@@ -107,7 +107,7 @@ def update_bn_stats(
     opts = Options.build("update_bn_stats", num_batches=num_iters,
                          progress=progress is True or (isinstance(progress, str) and progress == "tqdm"),
                          **options)
-    return recalibrate(model, data_loader, opts, whole_batch_forward, budget_name="num_iters")
+    return recalibrate_module(model, data_loader, opts, whole_batch_forward, budget_name="num_iters")
 
 
 def _swa_forward(device: Optional[torch.device]) -> ForwardFn:
@@ -128,10 +128,10 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, 
     dropout left as it was, ...) is listed in docs/dropins.md.
     """
     # The input alone goes to ``device``, as in swa_utils: the forward moves it, not the pass.
-    return recalibrate(model, loader, Options(layers="all", progress=False), _swa_forward(as_device(device)))
+    return recalibrate_module(model, loader, Options(layers="all", progress=False), _swa_forward(as_device(device)))
 
 
-def recalibrate(
+def recalibrate_module(
     model: nn.Module,
     data: Iterable[Any],
     opts: Options,
@@ -187,7 +187,7 @@ def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Itera
     # raised, and again if an interrupt cut the first put-back short (``release`` is idempotent).
     written: List[BNReport] = []
     try:
-        report = recalibrate(model, data, opts, on_write=written.append)
+        report = recalibrate_module(model, data, opts, on_write=written.append)
         yield written[0] if written else report  # nothing written: no BN layer to recompute
         _release(written)
     except BaseException:

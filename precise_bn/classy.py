@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, Iterator, List
 import torch
 from torch import nn
 
-from .api import recalibrate
+from .api import recalibrate_module
 from .data import count_samples, move_to_device
 from .errors import BackendUnavailableError, ConfigError
 from .options import Options, check_names
@@ -126,4 +126,4 @@ class PreciseBatchNormHook(ClassyHook):
         options = self.options
         if options.device is None and task.use_gpu:
             options = options.replace(device="cuda")
-        recalibrate(task.base_model, inputs, options)
+        recalibrate_module(task.base_model, inputs, options)

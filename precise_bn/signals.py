@@ -32,7 +32,7 @@ entering a function, on a loop's back-edge and after a call to C, so callers tha
 it where a signal could be handled. Python 3.9 checks at nearly every bytecode, also between a
 function's last call and its return and while a returning frame's objects are freed; the
 PyTorch entry points put the model back if anything is raised before they return
-(:func:`precise_bn.api.recalibrate`), which leaves the last few bytecodes of the entry point
+(:func:`precise_bn.api.recalibrate_module`), which leaves the last few bytecodes of the entry point
 and the freeing of its pass: a signal handled there raises with the new statistics in place
 (``benchmarks/INTERRUPTS.md`` measures how often); Python code cannot close that window.
 

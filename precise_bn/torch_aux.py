@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import rng
-from .api import recalibrate
+from .api import recalibrate_module
 from .data import CyclingBatches, smart_forward
 from .options import Options
 from .pytorch.layers import by_spec, select_layers, unwrap_model
@@ -104,7 +104,7 @@ class TorchAuxModel:
         if not self._prepared:
             self._prepare()
         try:
-            return recalibrate(self.net, self.batches, self.opts.replace(forward_fn=self._forward()),
+            return recalibrate_module(self.net, self.batches, self.opts.replace(forward_fn=self._forward()),
                                on_write=on_write, explain_batches=self.opts.forward_fn is None)
         except BaseException:
             kept.restore()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..api import recalibrate
+from ..api import recalibrate_module
 from ..checkpoint.formats import load_checkpoint, save_checkpoint
 from ..checkpoint.paths import check_paths
 from ..checkpoint.provenance import provenance, set_provenance
@@ -109,7 +109,7 @@ def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Mo
 def _recompute_net(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
     """The pass; an exception from the user's model becomes one line naming it and the batch."""
     try:
-        return recalibrate(net, batches, opts)
+        return recalibrate_module(net, batches, opts)
     except PreciseBNError:
         raise
     except Exception as exc:
