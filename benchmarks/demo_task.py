@@ -7,7 +7,8 @@ from typing import Tuple
 import torch
 from torch import Tensor, nn
 
-from precise_bn.cli.demo import BATCH_SIZE, DEFAULT_STEPS, evaluate, load_digits_splits, make_model, train
+from precise_bn.cli.demo import DEFAULT_STEPS
+from precise_bn.digits import BATCH_SIZE, evaluate, load_digits, make_model, train
 
 __all__ = ["BATCH_SIZE", "accuracy", "trained"]
 
@@ -15,7 +16,7 @@ __all__ = ["BATCH_SIZE", "accuracy", "trained"]
 def trained(steps: int = DEFAULT_STEPS, seed: int = 0) -> Tuple[nn.Module, Tensor, Tensor, Tensor, Tensor]:
     """The demo's CNN trained as the demo trains it: ``(model, train_x, train_y, test_x, test_y)``."""
     torch.manual_seed(seed)
-    train_x, train_y, test_x, test_y = load_digits_splits(seed)
+    train_x, train_y, test_x, test_y = load_digits()  # the bundled, fixed split
     model = train(make_model(), train_x, train_y, steps=steps, batch_size=BATCH_SIZE, seed=seed)
     return model, train_x, train_y, test_x, test_y
 

@@ -211,7 +211,7 @@ def test_drift_figure_is_log_scaled_with_readable_names():
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(BackendUnavailableError, match=r"pip install precise-bn\[plot\]"):
+    with pytest.raises(BackendUnavailableError, match=r"pip install '\.\[plot\]'"):
         plot_drift([], str(tmp_path / "x.png"), "title")
 
 
