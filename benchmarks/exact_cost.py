@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from typing import List, Optional, Sequence
 
@@ -40,6 +41,38 @@ def target_lines(timed: Sequence[methods.CaseResult], shifted: Sequence[methods.
     return lines
 
 
+FIXED_METHODS = [FLOOR, "precise-bn", "precise-bn exact", "fvcore"]
+
+
+def fixed_cost(reps: int) -> str:
+    """What one call costs beyond its forward when the forward is tiny: a convolution and a BN
+    layer on one batch of 2x3x8x8, in CPU time; the median over ``reps`` rotated repetitions of
+    a hundred calls each."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+    batches = [torch.randn(2, 3, 8, 8)]
+
+    def hundred(method):
+        def run() -> None:
+            for _ in range(100):
+                methods.METHODS[method](model, batches)
+        return run
+
+    with torch.no_grad():
+        seconds = common.rotated_seconds({m: hundred(m) for m in FIXED_METHODS}, reps, clock=time.process_time)
+    floor = statistics.median(seconds[FLOOR]) / 100
+    rows = []
+    for method in FIXED_METHODS:
+        per_call = statistics.median(seconds[method]) / 100
+        rows.append([method, "{:.3f}".format(per_call * 1e3), "{:.1f}x".format(per_call / floor),
+                     "-" if method == FLOOR else "{:.3f}".format((per_call - floor) * 1e3)])
+    return ("Fixed cost of one call, on a forward of a few microseconds (a 3x3 convolution and one "
+            "BN layer, one batch of 2x3x8x8; CPU time, median of {} repetitions of 100 calls):\n\n".format(reps)
+            + common.markdown_table(["method", "ms per call", "over the forward", "ms beyond the forward"], rows))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser)
@@ -60,6 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "Targets:",
         "\n".join(target_lines(timed, shifted)),
         methods.error_table(list(timed) + list(shifted)),
+        fixed_cost(3 if args.quick else 15),
     ])
     common.write_section(args.out / "RESULTS.md", "exact", text)
     print(text)
