@@ -4,13 +4,15 @@ A backend knows how to run one batch and read its layers' statistics (:class:`Ba
 driver decides how many batches to run and when to talk to the other ranks:
 
 * the budget: at most ``num_batches`` batches and ``num_samples`` samples (a batch is never
-  cut), or until the data ends;
+  cut), or until the data ends; ``stop`` names what ended the pass: ``"num_batches"``,
+  ``"num_samples"``, ``"data"`` or ``"rtol"``;
 * rounds: with several ranks, every :data:`CHECK_EVERY` batches every rank reports its status
   (:class:`~precise_bn.distributed.Ranks`), so a rank that failed is known within a few
   batches; a rank whose data ended keeps answering rounds until every rank is done;
 * the precision stop (``rtol``): at those rounds (every :data:`CHECK_EVERY` batches on one
   process), once ``min_batches`` batches were read in all, the statistics merged so far decide
-  whether every channel is precise enough (:func:`precise_enough`); every rank decides on the
+  whether every channel is precise enough (:func:`~precise_bn.precision.precise_enough`: what
+  ``rtol`` promises, and how it is kept); every rank decides on the
   same bits, so all stop after the same batch.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
 from .errors import EmptyDataError, warn
 from .estimator import PopulationStats
 from .options import Options
+from .precision import precise_enough, untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable
 from .report import BNReport, LayerReport
 from .signals import Relays
 
@@ -90,23 +93,6 @@ class Outcome:
     local_samples: int
 
 
-def precise_enough(stats: Sequence[PopulationStats], rtol: float, unbiased: bool = False) -> bool:
-    """True when every channel of every layer that ran has ``mean_stderr <= rtol * std`` and
-    ``var_stderr <= rtol * var``. Channels of variance 0 (dead) are exact and never block; a
-    layer with fewer than two calls has no standard error yet and blocks."""
-    for s in stats:
-        if s.count == 0:
-            continue
-        var = s.m2 / s.count
-        mean_se, var_se = s.stderr(unbiased)
-        live = var > 0
-        if not bool((mean_se[live] <= rtol * var[live].sqrt()).all()):
-            return False
-        if not bool((var_se[live] <= rtol * var[live]).all()):
-            return False
-    return True
-
-
 class _Progress:
     """A tqdm bar on stderr (when asked, or by default when stderr is a terminal) whose total
     is what the pass will really read, and ``log_period`` lines when there is no bar."""
@@ -166,7 +152,7 @@ class _Rounds:
         if not (check or all_done):
             return all_done, False
         self.merged = self.ranks.gather_stats(self.backend.collect())
-        return all_done, check and precise_enough(self.merged, self.opts.rtol or 0.0, self.opts.unbiased)
+        return all_done, check and precise_enough(self.merged, self.opts.rtol or 0.0, self.totals[1])
 
 
 def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks,
@@ -175,11 +161,15 @@ def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ran
     rounds = _Rounds(backend, ranks, opts)
     progress = _Progress(opts, planned, label)
     done = samples = 0
-    stop = "budget"
+    stop = "num_batches"
     try:
         with backend.running():
-            while (opts.num_batches is None or done < opts.num_batches) and (
-                    opts.num_samples is None or samples < opts.num_samples):
+            while True:
+                if opts.num_batches is not None and done >= opts.num_batches:
+                    break
+                if opts.num_samples is not None and samples >= opts.num_samples:
+                    stop = "num_samples"
+                    break
                 try:
                     batch = next(batches)
                 except StopIteration:
@@ -247,7 +237,8 @@ def build_report(
             new_mean=None if result is None else result[0].cpu(),
             new_var=None if result is None else result[1].cpu(),
             mean_stderr=None if mean_se is None else mean_se.cpu(),
-            var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps)))
+            var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps),
+            se_untrusted=untrusted_stderr(s).nonzero().reshape(-1).tolist() if result is not None else []))
     if report.unused:
         warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
             len(report.unused), ", ".join(report.unused)))
@@ -309,12 +300,15 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
     logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.estimator)
     old = backend.old_stats()
+    planned = planned_batches(data, opts.num_batches)
+    warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
     with backend.attached():
-        outcome = run_pass(backend, iter(data), opts, ranks, planned_batches(data, opts.num_batches), label)
+        outcome = run_pass(backend, iter(data), opts, ranks, planned, label)
         if outcome.batches == 0:
             raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
                 " on any rank" if ranks.world > 1 else ""))
         warn_if_short(opts, outcome, budget_name)
+        warn_if_imprecise(opts, outcome.stats, backend.names, outcome.batches, outcome.samples, outcome.stop)
         results = finalize(outcome.stats, opts.unbiased)
         report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
                               world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)

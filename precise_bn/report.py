@@ -18,11 +18,12 @@ DEFINITIONS = {
                       "sampling error of the written variance",
 }
 
-#: Why a pass ended.
+#: Why a pass ended: what ran out, or ``rtol`` met.
 STOP_REASONS = {
-    "budget": "the batch or sample budget was used up",
-    "rtol": "every channel reached the requested relative standard error",
-    "data": "the data ran out before the budget",
+    "num_batches": "num_batches batches were read",
+    "num_samples": "num_samples samples were read",
+    "data": "the data ran out",
+    "rtol": "every channel is within rtol at 95% confidence",
 }
 
 
@@ -49,6 +50,9 @@ class LayerReport:
     ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
     between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``untrusted``
     lists channels whose float32 kernel statistics could not be trusted (Caffe2 path).
+    ``se_untrusted`` lists channels whose standard errors cannot be trusted (heavy tails, or a
+    few calls carrying most of the spread: see
+    :meth:`~precise_bn.estimator.PopulationStats.tail_spread`); ``rtol`` never stops on them.
     """
 
     name: str
@@ -62,6 +66,7 @@ class LayerReport:
     var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
     untrusted: List[int] = field(default_factory=list)
+    se_untrusted: List[int] = field(default_factory=list)
 
     @property
     def ran(self) -> bool:
@@ -103,6 +108,7 @@ class LayerReport:
             "mean_rel_stderr": self.mean_rel_stderr,
             "var_rel_stderr": self.var_rel_stderr,
             "untrusted": list(self.untrusted),
+            "se_untrusted": list(self.se_untrusted),
         }
         keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
         for key in keys if with_stats else keys[-2:]:
@@ -129,7 +135,7 @@ class BNReport:
     world_size: int = 1
     estimator: str = "kernel"
     seconds: float = 0.0
-    stop: str = "budget"
+    stop: str = "data"
     rtol: Optional[float] = None
 
     @property
@@ -167,14 +173,19 @@ class BNReport:
         }
 
     def summary(self) -> str:
-        """The first line of the table: what was read, why it stopped, the worst standard errors."""
+        """The first line of the table: what was read, why it stopped, the worst standard errors,
+        and how many channels' standard errors cannot be trusted."""
         count = len(self.layers)
+        heavy = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
         return ("precise-bn: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}, {} estimator, "
-                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}").format(
+                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
             count, "" if count == 1 else "s", self.batches, "" if self.batches == 1 else "es", self.samples,
             self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
-            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")))
+            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")),
+            "; standard errors not trusted (heavy tails) in {} channel{} of {} layer{}".format(
+                sum(heavy), "" if sum(heavy) == 1 else "s", len(heavy), "" if len(heavy) == 1 else "s")
+            if heavy else "")
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])
