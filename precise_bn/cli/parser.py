@@ -98,12 +98,12 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_data(rec)
     budget = rec.add_mutually_exclusive_group()
     budget.add_argument("--num-batches", "--num-iters", dest="num_batches", type=_positive_int,
-                        help="batches to use (default {} when neither budget nor --rtol is given)".format(DEFAULT_ITERS))
+                        help="batches to use (default {} when neither --num-samples nor --rtol is given)".format(DEFAULT_ITERS))
     budget.add_argument("--num-samples", type=_positive_int, help="samples to use (a batch is never cut)")
     rec.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     rec.add_argument("--exact", action="store_true", help="measure each BN input in float64 (slower)")
-    rec.add_argument("--rtol", type=float, help="stop once every channel's relative standard error is below this "
-                     "(mean: stderr/std, variance: stderr/var); the budget still applies")
+    rec.add_argument("--rtol", type=float, help="stop once about 95%% of channels are within this of the population "
+                     "value (mean: error/std, variance: error/var); --num-batches and --num-samples still apply")
     rec.add_argument("--min-batches", type=_positive_int, help="batches read before --rtol may stop the pass")
     rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                      help="under torchrun, how long a rank waits for the others before failing "
