@@ -76,8 +76,8 @@ from .tails import POWERS, affine, power_sums, spread_of_squares
 
 # The six entries of a symmetric 3x3 co-moment matrix, in storage order.
 _PAIRS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2))
-# Float64 values per channel in a packed state: mean, M2, centre, u (3), cov (6), vcenter, sums.
-_PER_CHANNEL = 13 + len(POWERS)
+# Float64 values per channel in a packed state: mean, M2, centre, u (3), cov (6), sums.
+_PER_CHANNEL = 12 + len(POWERS)
 
 
 @dataclass
@@ -87,7 +87,7 @@ class CallGroup:
     ``count`` elements per channel over ``calls`` calls, ``weight`` = sum of the squared
     per-call counts; float64 per channel: ``mean``, ``m2``, and around ``center`` the
     count²-weighted mean ``u`` (3, C) and co-moments ``cov`` (6, C) of the calls' ``u_i``;
-    ``vcenter`` and the count⁴-weighted power sums ``sums`` (15, C) of the tail diagnostic.
+    and the count⁴-weighted power sums ``sums`` (15, C) of the tail diagnostic.
     """
 
     count: int
@@ -98,11 +98,10 @@ class CallGroup:
     center: torch.Tensor
     u: torch.Tensor
     cov: torch.Tensor
-    vcenter: torch.Tensor
     sums: torch.Tensor
 
     def tensors(self) -> Tuple[torch.Tensor, ...]:
-        return self.mean, self.m2, self.center, self.u, self.cov, self.vcenter, self.sums
+        return self.mean, self.m2, self.center, self.u, self.cov, self.sums
 
     def split(self, widths: Sequence[int]) -> List["CallGroup"]:
         """The group's channels cut into consecutive parts (several layers merged at once)."""
@@ -169,9 +168,8 @@ def combine_calls(
     u = torch.stack([torch.matmul(w, row) for row in rows]).div_(weight)
     centred = [row - u[j] for j, row in enumerate(rows)]
     cov = torch.stack([torch.matmul(w, centred[a] * centred[b]) for a, b in _PAIRS])
-    vcenter = variances[0].clone()
-    sums = power_sums(w * w, variances - vcenter + rows[2], u1)
-    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov, vcenter, sums)
+    sums = power_sums(w * w, variances + rows[2], u1)
+    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov, sums)
 
 
 def _recentre(group: CallGroup, center: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +201,6 @@ class PopulationStats:
         self.center = torch.zeros(self.num_channels, **zeros)
         self.u = torch.zeros(3, self.num_channels, **zeros)
         self.cov = torch.zeros(6, self.num_channels, **zeros)
-        self.vcenter = torch.zeros(self.num_channels, **zeros)
         self.sums = torch.zeros(len(POWERS), self.num_channels, **zeros)
 
     @property
@@ -250,9 +247,11 @@ class PopulationStats:
             self.u.add_(du, alpha=w_b / (w_a + w_b))
             outer = torch.stack([du[a] * du[b] for a, b in _PAIRS])
             self.cov.add_(cov).add_(outer, alpha=w_a * w_b / (w_a + w_b))
-            # Around this layer's centres: q = m - c moves by d, p = v + q^2 - vcenter by 2 d q + ...
-            d = group.center - self.center
-            self.sums.add_(affine(group.sums, 2.0 * d, d * d + group.vcenter - self.vcenter, d))
+            if group.center is self.center or torch.equal(group.center, self.center):
+                self.sums.add_(group.sums)
+            else:  # another rank's centre: q = m - c moves by d, p = v + q^2 by 2 d q + d^2
+                d = group.center - self.center
+                self.sums.add_(affine(group.sums, 2.0 * d, d * d, d))
         self.count += group.count
         self.calls += group.calls
         self.weight += group.weight
@@ -266,7 +265,7 @@ class PopulationStats:
 
     def as_group(self) -> CallGroup:
         return CallGroup(self.count, self.calls, self.weight, self.mean, self.m2, self.center, self.u, self.cov,
-                         self.vcenter, self.sums)
+                         self.sums)
 
     def finalize(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return float64 ``(mean, var)``: the biased population variance ``M2 / n`` by default.
@@ -322,7 +321,7 @@ class PopulationStats:
         if self.calls < 2 or self.count == 0:
             nan = torch.full_like(self.mean, float("nan"))
             return nan, nan.clone()
-        return spread_of_squares(self.sums, self.mean - self.center, self.vcenter, self.m2 / float(self.count),
+        return spread_of_squares(self.sums, self.mean - self.center, self.m2 / float(self.count),
                                  self._spreads(), self.calls)
 
     def _raise_if_non_finite(self) -> None:
@@ -337,7 +336,7 @@ class PopulationStats:
             )
 
     def state(self) -> torch.Tensor:
-        """Pack ``[count, calls, weight, mean, M2, centre, u, cov, vcenter, sums]`` in one float64
+        """Pack ``[count, calls, weight, mean, M2, centre, u, cov, sums]`` in one float64
         vector (for collectives). Counts above 2**53 would lose bits; no pass comes near."""
         head = torch.tensor([float(self.count), float(self.calls), float(self.weight)], dtype=torch.float64,
                             device=self.device)
