@@ -39,9 +39,10 @@ from .errors import warn
 from .estimator import PopulationStats
 from .options import Options
 
-#: A standard error whose square has a relative spread (:meth:`~precise_bn.estimator.PopulationStats.tail_spread`)
-#: above this is not trusted: it may itself be off by a quarter or more. Normal calls reach it
-#: in 4.5% of channels at k = 16 and 0.3% at k = 32 (``benchmarks/calibration.py``).
+#: A standard error whose square has a relative spread above this
+#: (:meth:`~precise_bn.estimator.PopulationStats.tail_spread`) is not trusted: it may itself be
+#: off by a quarter or more. Normal data reaches it in 0.5% of channels after 32 batches of 32
+#: (``benchmarks/CALIBRATION.md``), and more often with fewer calls: 0.35 is typical at 16.
 TAIL_LIMIT = 0.5
 
 
