@@ -37,9 +37,9 @@ mean/std = 1e4) and merged with the weighted form of Chan's formula; then with
 What they assume. The calls must be independent draws: batches of a shuffled loader are, and
 so are the ranks' shares of one. Checked on a synthetic population and on the demo's CNN
 (``tests/test_precision.py``, ``benchmarks/budget.py``): two standard errors cover the true
-error in about 94% of channels after 32 calls, and after a stop on ``rtol``; with k calls the
-ratio of error to standard error follows Student's t with k - 1 degrees of freedom more than a
-normal law (93.6% at k = 16), and a strongly skewed channel's variance covers a few points less.
+error in about 94% of channels after 32 calls; with k calls the ratio of error to standard
+error follows Student's t with k - 1 degrees of freedom more than a normal law (93.6% at
+k = 16), and skewed or heavy-tailed channels cover less (``benchmarks/CALIBRATION.md``).
 Consecutive batches that resemble each other break the assumption: an unshuffled data set
 sorted by class or by time, clips cut from the same few videos, a layer called several times
 in one forward on related inputs (multi-crop, two towers). Then the spread between calls

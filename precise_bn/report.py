@@ -16,6 +16,8 @@ DEFINITIONS = {
                        "sampling error of the written mean, in units of the std",
     "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
                       "sampling error of the written variance",
+    "se_untrusted": "channels whose standard errors cannot be trusted: a few calls carry most of their "
+                    "spread (heavy tails, rare outliers or activity); rtol never stops on them",
 }
 
 #: Why a pass ended: what ran out, or ``rtol`` met.
