@@ -98,7 +98,7 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_data(rec)
     budget = rec.add_mutually_exclusive_group()
     budget.add_argument("--num-batches", "--num-iters", dest="num_batches", type=_positive_int,
-                        help="batches to use (default {} when neither --num-samples nor --rtol is given)".format(DEFAULT_ITERS))
+                        help="batches to use (default {} without --num-samples or --rtol)".format(DEFAULT_ITERS))
     budget.add_argument("--num-samples", type=_positive_int, help="samples to use (a batch is never cut)")
     rec.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     rec.add_argument("--exact", action="store_true", help="measure each BN input in float64 (slower)")
