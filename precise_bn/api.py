@@ -69,9 +69,9 @@ def recompute(
         group: the process group to merge over.
         unbiased: write ``M2 / (n - 1)`` instead of the population variance ``M2 / n``.
         progress: a progress bar on stderr (default: when stderr is a terminal).
-        rtol: stop early once every channel's standard errors satisfy
-            ``mean_stderr <= rtol * std`` and ``var_stderr <= rtol * var`` (checked every few
-            batches; see :mod:`precise_bn.driver`). The budget still applies.
+        rtol: stop once about 95% of channels are within ``rtol`` of the population value
+            (mean in std units, variance relative; :mod:`precise_bn.precision`), checked every
+            few batches; the budget still applies, and a pass that ends first warns.
         min_batches: batches read (over all ranks) before ``rtol`` may stop the pass.
         timeout: seconds a rank waits for the others before raising DistributedError (None: no limit).
         log_period: without a bar, log the time per batch every this many batches.

@@ -4,20 +4,21 @@ A backend knows how to run one batch and read its layers' statistics (:class:`Ba
 driver decides how many batches to run and when to talk to the other ranks:
 
 * the budget: at most ``num_batches`` batches and ``num_samples`` samples (a batch is never
-  cut), or until the data ends;
+  cut), or until the data ends; ``stop`` names what ended the pass: ``"num_batches"``,
+  ``"num_samples"``, ``"data"`` or ``"rtol"``;
 * rounds: with several ranks, every :data:`CHECK_EVERY` batches every rank reports its status
   (:class:`~precise_bn.distributed.Ranks`), so a rank that failed is known within a few
   batches; a rank whose data ended keeps answering rounds until every rank is done;
 * the precision stop (``rtol``): at those rounds (every :data:`CHECK_EVERY` batches on one
   process), once ``min_batches`` batches were read in all, the statistics merged so far decide
-  whether every channel is precise enough (:func:`precise_enough`); every rank decides on the
+  whether every channel is precise enough (:func:`~precise_bn.precision.precise_enough`: what
+  ``rtol`` promises, and how it is kept); every rank decides on the
   same bits, so all stop after the same batch.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
 from .errors import EmptyDataError, NonFiniteStatsError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
+from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
 from .report import UNTRUSTED_RTOL, BNReport, LayerReport
 from .signals import Relays
 
@@ -98,29 +100,6 @@ class Outcome:
     local_samples: int
 
 
-def worst_ratio(stats: PopulationStats, unbiased: bool = False) -> float:
-    """The largest of ``mean_stderr / std`` and ``var_stderr / var`` over the live channels of
-    ``stats`` (a whole layer or a slice of its channels): 0 for a layer that never ran or only
-    dead channels (variance 0: exact), infinite for fewer than two calls (no standard error)."""
-    if stats.count == 0:
-        return 0.0
-    var = stats.m2 / stats.count
-    mean_se, var_se = stats.stderr(unbiased)
-    live = var > 0
-    if not bool(live.any()):
-        return 0.0
-    ratios = torch.cat([mean_se[live] / var[live].sqrt(), var_se[live] / var[live]])
-    worst = float(ratios.max())
-    return math.inf if math.isnan(worst) else worst
-
-
-def precise_enough(stats: Sequence[PopulationStats], rtol: float, unbiased: bool = False) -> bool:
-    """True when every channel of every layer that ran has ``mean_stderr <= rtol * std`` and
-    ``var_stderr <= rtol * var``. Channels of variance 0 (dead) are exact and never block; a
-    layer with fewer than two calls has no standard error yet and blocks."""
-    return all(worst_ratio(s, unbiased) <= rtol for s in stats)
-
-
 class _Progress:
     """A tqdm bar on stderr (when asked, or by default when stderr is a terminal) counting
     batches, whose total is what the pass will really read (with a sample budget, estimated
@@ -182,10 +161,11 @@ class _Rounds:
         if not (check or all_done):
             return all_done, False
         # Each rank merges a slice of the channels; the decision needs only each layer's worst
-        # ratio over the slices, and the whole statistics travel once the pass stops.
+        # ratio over the slices (1 or less: precise enough), and the whole statistics travel
+        # once the pass stops.
         part = self.ranks.merge_part(self.backend.collect())
-        precise = check and max(self.ranks.worst(part, lambda s: worst_ratio(s, self.opts.unbiased)),
-                                default=0.0) <= (self.opts.rtol or 0.0)
+        rtol, samples = self.opts.rtol or 0.0, self.totals[1]
+        precise = check and max(self.ranks.worst(part, lambda s: worst_ratio(s, rtol, samples)), default=0.0) <= 1.0
         if precise or all_done:
             self.merged = self.ranks.assemble(part)
         return all_done, precise
@@ -197,11 +177,15 @@ def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ran
     rounds = _Rounds(backend, ranks, opts)
     progress = _Progress(opts, planned, label)
     done = samples = 0
-    stop = "budget"
+    stop = "num_batches"
     try:
         with backend.running():
-            while (opts.num_batches is None or done < opts.num_batches) and (
-                    opts.num_samples is None or samples < opts.num_samples):
+            while True:
+                if opts.num_batches is not None and done >= opts.num_batches:
+                    break
+                if opts.num_samples is not None and samples >= opts.num_samples:
+                    stop = "num_samples"
+                    break
                 try:
                     batch = next(batches)
                 except StopIteration:
@@ -299,7 +283,8 @@ def build_report(
             new_mean=None if result is None else result[0].cpu(),
             new_var=None if result is None else result[1].cpu(),
             mean_stderr=None if mean_se is None else mean_se.cpu(),
-            var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps)))
+            var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps),
+            se_untrusted=untrusted_stderr(s).nonzero().reshape(-1).tolist() if result is not None else []))
     if report.unused:
         warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
             len(report.unused), ", ".join(report.unused)))
@@ -363,12 +348,15 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
     logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.estimator)
     old = backend.old_stats()
+    planned = planned_batches(data, opts.num_batches)
+    warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
     with backend.attached():
-        outcome = run_pass(backend, iter(data), opts, ranks, planned_batches(data, opts.num_batches), label)
+        outcome = run_pass(backend, iter(data), opts, ranks, planned, label)
         if outcome.batches == 0:
             raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
                 " on any rank" if ranks.world > 1 else ""))
         warn_if_short(opts, outcome, budget_name)
+        warn_if_imprecise(opts, outcome.stats, backend.names, outcome.batches, outcome.samples, outcome.stop)
         targets = finalize(outcome.stats, opts.unbiased, backend.dtypes)
         results = [t if t is None or not opts.prior else pool_with_prior(o, t, opts.prior, outcome.samples)
                    for o, t in zip(old, targets)]

@@ -37,9 +37,9 @@ mean/std = 1e4) and merged with the weighted form of Chan's formula; then with
 What they assume. The calls must be independent draws: batches of a shuffled loader are, and
 so are the ranks' shares of one. Checked on a synthetic population and on the demo's CNN
 (``tests/test_precision.py``, ``benchmarks/budget.py``): two standard errors cover the true
-error in about 94% of channels after 32 calls, and after a stop on ``rtol``; with k calls the
-ratio of error to standard error follows Student's t with k - 1 degrees of freedom more than a
-normal law (93.6% at k = 16), and a strongly skewed channel's variance covers a few points less.
+error in about 94% of channels after 32 calls; with k calls the ratio of error to standard
+error follows Student's t with k - 1 degrees of freedom more than a normal law (93.6% at
+k = 16), and skewed or heavy-tailed channels cover less (``benchmarks/CALIBRATION.md``).
 Consecutive batches that resemble each other break the assumption: an unshuffled data set
 sorted by class or by time, clips cut from the same few videos, a layer called several times
 in one forward on related inputs (multi-crop, two towers). Then the spread between calls
@@ -47,6 +47,19 @@ understates how far the batches are from the population, the standard errors are
 (a loader sorted by a feature covers under half of that feature's channels), and an ``rtol``
 stop comes too early. Shuffle (``DataLoader(shuffle=True)``, a shuffling sampler per rank), or
 let each batch span the variety of the data; nothing in the calls themselves can tell.
+
+When the standard errors themselves are unreliable: heavy tails. Both standard errors are
+``sqrt(k/(k-1) * sum e_i^2) / N`` with ``e_i = n_i (m_i - mu)`` (mean) or ``n_i (y_i - s2)``
+(variance): a mean over calls of ``e_i^2``, whose own relative variance is estimated by
+``r^2 = sum e_i^4 / (sum e_i^2)^2 - 1/k`` (for equal counts, ``(kappa - 1)/k`` with ``kappa``
+the calls' kurtosis). :meth:`PopulationStats.tail_spread` returns ``r``, from 15 power sums
+per channel merged exactly across blocks and ranks (:mod:`precise_bn.tails` derives it):
+about ``sqrt(2/k)`` for normal calls, falling as ``1/sqrt(k)`` while the fourth moment is
+finite, but staying near ``sqrt(1/j)`` when j calls carry most of the spread (Student's t
+with 2.5 degrees of freedom, a lognormal of sigma 2, a rare outlier, a channel active on a
+few samples): the standard error is then off by about ``r/2`` either way; such channels are
+marked and never let ``rtol`` stop a pass (:mod:`precise_bn.precision`). No statistic of the
+calls shows a tail not sampled yet: an outlier that no sample read has hit leaves ``r`` normal.
 
 This module knows nothing of modules, hooks or processes: it only merges numbers.
 """
@@ -59,9 +72,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .errors import NonFiniteStatsError
+from .tails import POWERS, affine, power_sums, spread_of_squares
 
 # The six entries of a symmetric 3x3 co-moment matrix, in storage order.
 _PAIRS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2))
+#: Per-channel rows of a packed :meth:`PopulationStats.state`: mean, M2, centre, u (3), cov (6),
+#: then the tail sums, each row one value per channel.
+STATE_ROWS = 12 + len(POWERS)
 
 
 @dataclass
@@ -70,7 +87,8 @@ class CallGroup:
 
     ``count`` elements per channel over ``calls`` calls, ``weight`` = sum of the squared
     per-call counts; float64 per channel: ``mean``, ``m2``, and around ``center`` the
-    count²-weighted mean ``u`` (3, C) and co-moments ``cov`` (6, C) of the calls' ``u_i``.
+    count²-weighted mean ``u`` (3, C) and co-moments ``cov`` (6, C) of the calls' ``u_i``;
+    and the count⁴-weighted power sums ``sums`` (15, C) of the tail diagnostic.
     """
 
     count: int
@@ -81,10 +99,14 @@ class CallGroup:
     center: torch.Tensor
     u: torch.Tensor
     cov: torch.Tensor
+    sums: torch.Tensor
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        return self.mean, self.m2, self.center, self.u, self.cov, self.sums
 
     def split(self, widths: Sequence[int]) -> List["CallGroup"]:
         """The group's channels cut into consecutive parts (several layers merged at once)."""
-        parts = zip(*(t.split(list(widths), dim=-1) for t in (self.mean, self.m2, self.center, self.u, self.cov)))
+        parts = zip(*(t.split(list(widths), dim=-1) for t in self.tensors()))
         return [CallGroup(self.count, self.calls, self.weight, *part) for part in parts]
 
 
@@ -160,7 +182,8 @@ def combine_calls(
     u = torch.stack([torch.matmul(w, row) for row in rows]).div_(weight)
     centred = [row - u[j] for j, row in enumerate(rows)]
     cov = torch.stack([torch.matmul(w, centred[a] * centred[b]) for a, b in _PAIRS])
-    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov)
+    sums = power_sums(w * w, variances + rows[2], u1)
+    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov, sums)
 
 
 def _recentre(group: CallGroup, center: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +215,7 @@ class PopulationStats:
         self.center = torch.zeros(self.num_channels, **zeros)
         self.u = torch.zeros(3, self.num_channels, **zeros)
         self.cov = torch.zeros(6, self.num_channels, **zeros)
+        self.sums = torch.zeros(len(POWERS), self.num_channels, **zeros)
 
     @property
     def device(self) -> torch.device:
@@ -224,11 +248,8 @@ class PopulationStats:
             self.calls += group.calls
             return
         if self.count == 0:
-            self.mean.copy_(group.mean)
-            self.m2.copy_(group.m2)
-            self.center.copy_(group.center)
-            self.u.copy_(group.u)
-            self.cov.copy_(group.cov)
+            for mine, theirs in zip(self.as_group().tensors(), group.tensors()):
+                mine.copy_(theirs)
         else:
             n_a, n_b = self.count, group.count
             delta = group.mean - self.mean
@@ -240,6 +261,11 @@ class PopulationStats:
             self.u.add_(du, alpha=w_b / (w_a + w_b))
             outer = torch.stack([du[a] * du[b] for a, b in _PAIRS])
             self.cov.add_(cov).add_(outer, alpha=w_a * w_b / (w_a + w_b))
+            if group.center is self.center or torch.equal(group.center, self.center):
+                self.sums.add_(group.sums)
+            else:  # another rank's centre: q = m - c moves by d, p = v + q^2 by 2 d q + d^2
+                d = group.center - self.center
+                self.sums.add_(affine(group.sums, 2.0 * d, d * d, d))
         self.count += group.count
         self.calls += group.calls
         self.weight += group.weight
@@ -252,7 +278,8 @@ class PopulationStats:
         self.add(other.as_group())
 
     def as_group(self) -> CallGroup:
-        return CallGroup(self.count, self.calls, self.weight, self.mean, self.m2, self.center, self.u, self.cov)
+        return CallGroup(self.count, self.calls, self.weight, self.mean, self.m2, self.center, self.u, self.cov,
+                         self.sums)
 
     def finalize(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return float64 ``(mean, var)``: the biased population variance ``M2 / n`` by default.
@@ -279,9 +306,17 @@ class PopulationStats:
         if self.calls < 2 or self.count == 0:
             nan = torch.full_like(self.mean, float("nan"))
             return nan, nan.clone()
-        k, n, w = self.calls, float(self.count), float(self.weight)
+        k, n = self.calls, float(self.count)
+        spread_mean, spread_var = self._spreads()
+        factor = k / (k - 1.0) / (n * n)
+        scale = n / self._denominator(unbiased)
+        return (spread_mean * factor).clamp_(min=0).sqrt_(), (spread_var * factor).clamp_(min=0).sqrt_() * scale
+
+    def _spreads(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel."""
+        w = float(self.weight)
         shift = self.mean - self.center
-        var = self.m2 / n
+        var = self.m2 / float(self.count)
         # n-weighted mean of u . a, from mu, s2 and c; then sum n_i^2 (a . (u_i - ubar))^2.
         a = (-2.0 * shift, torch.ones_like(shift), torch.ones_like(shift))
         a_ubar_n = var - shift * shift
@@ -291,9 +326,17 @@ class PopulationStats:
         )
         spread_var = a_cov_a + w * (a_u - a_ubar_n).square()
         spread_mean = self.cov[0] + w * (self.u[0] - shift).square()
-        factor = k / (k - 1.0) / (n * n)
-        scale = n / self._denominator(unbiased)
-        return (spread_mean * factor).clamp_(min=0).sqrt_(), (spread_var * factor).clamp_(min=0).sqrt_() * scale
+        return spread_mean.clamp_(min=0), spread_var.clamp_(min=0)
+
+    def tail_spread(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per channel, ``r`` of the squared standard errors of the mean and of the variance
+        (their relative standard deviation; see the module docstring): 0.35 at k = 16 calls of
+        normal data. 0 for a channel without spread, NaN with fewer than two calls."""
+        if self.calls < 2 or self.count == 0:
+            nan = torch.full_like(self.mean, float("nan"))
+            return nan, nan.clone()
+        return spread_of_squares(self.sums, self.mean - self.center, self.m2 / float(self.count),
+                                 self._spreads(), self.calls)
 
     def _raise_if_non_finite(self) -> None:
         bad = ~(torch.isfinite(self.mean) & torch.isfinite(self.m2))
@@ -307,29 +350,26 @@ class PopulationStats:
             )
 
     def state(self) -> torch.Tensor:
-        """Pack ``[count, calls, weight, mean, M2, centre, u, cov]`` in one float64 vector
-        (for collectives). Counts above 2**53 would lose bits; no pass comes near."""
+        """Pack ``[count, calls, weight, mean, M2, centre, u, cov, sums]`` in one float64
+        vector (for collectives). Counts above 2**53 would lose bits; no pass comes near."""
         head = torch.tensor([float(self.count), float(self.calls), float(self.weight)], dtype=torch.float64,
                             device=self.device)
-        return torch.cat([head, self.mean, self.m2, self.center, self.u.reshape(-1), self.cov.reshape(-1)])
+        return torch.cat([head] + [t.reshape(-1) for t in self.as_group().tensors()])
 
     @staticmethod
     def state_size(num_channels: int) -> int:
-        return 3 + 12 * num_channels
+        return 3 + STATE_ROWS * num_channels
 
     @classmethod
     def from_state(cls, packed: torch.Tensor, name: str = "") -> "PopulationStats":
         """Inverse of :meth:`state`."""
-        channels = (packed.numel() - 3) // 12
+        channels = (packed.numel() - 3) // STATE_ROWS
         stats = cls(channels, name=name, device=packed.device)
         head = packed[:3].tolist()
         stats.count, stats.calls, stats.weight = (int(v) for v in head)
-        body = packed[3:].split([channels, channels, channels, 3 * channels, 6 * channels])
-        stats.mean.copy_(body[0])
-        stats.m2.copy_(body[1])
-        stats.center.copy_(body[2])
-        stats.u.copy_(body[3].reshape(3, channels))
-        stats.cov.copy_(body[4].reshape(6, channels))
+        mine = stats.as_group().tensors()
+        for tensor, part in zip(mine, packed[3:].split([t.numel() for t in mine])):
+            tensor.copy_(part.view_as(tensor))
         return stats
 
 

@@ -20,16 +20,19 @@ DEFINITIONS = {
                        "sampling error of the written mean, in units of the std",
     "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
                       "sampling error of the written variance",
+    "se_untrusted": "channels whose standard errors cannot be trusted: a few calls carry most of their "
+                    "spread (heavy tails, rare outliers or activity); rtol never stops on them",
 }
 
 #: Relative error of a written variance above which a channel is named untrusted.
 UNTRUSTED_RTOL = 1e-3
 
-#: Why a pass ended.
+#: Why a pass ended: what ran out, or ``rtol`` met.
 STOP_REASONS = {
-    "budget": "the batch or sample budget was used up",
-    "rtol": "every channel reached the requested relative standard error",
-    "data": "the data ran out before the budget",
+    "num_batches": "num_batches batches were read",
+    "num_samples": "num_samples samples were read",
+    "data": "the data ran out",
+    "rtol": "every channel is within rtol at 95% confidence",
 }
 
 
@@ -62,6 +65,9 @@ class LayerReport:
     With a ``prior``, ``new_*`` is what was written (source and target pooled) and
     ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
     with the old ones.
+    ``se_untrusted`` lists channels whose standard errors cannot be trusted (heavy tails, or a
+    few calls carrying most of the spread: see
+    :meth:`~precise_bn.estimator.PopulationStats.tail_spread`); ``rtol`` never stops on them.
     """
 
     name: str
@@ -75,6 +81,7 @@ class LayerReport:
     var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
     untrusted: List[int] = field(default_factory=list)
+    se_untrusted: List[int] = field(default_factory=list)
     target_mean: Optional[torch.Tensor] = None
     target_var: Optional[torch.Tensor] = None
 
@@ -125,6 +132,7 @@ class LayerReport:
             "mean_rel_stderr": self.mean_rel_stderr,
             "var_rel_stderr": self.var_rel_stderr,
             "untrusted": list(self.untrusted),
+            "se_untrusted": list(self.se_untrusted),
         }
         keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
         for key in keys if with_stats else keys[-2:]:
@@ -174,7 +182,7 @@ class BNReport:
     world_size: int = 1
     estimator: str = "kernel"
     seconds: float = 0.0
-    stop: str = "budget"
+    stop: str = "data"
     rtol: Optional[float] = None
     snapshot: Optional[Snapshot] = field(default=None, repr=False, compare=False)
 
@@ -223,14 +231,19 @@ class BNReport:
         }
 
     def summary(self) -> str:
-        """The first line of the table: what was read, why it stopped, the worst standard errors."""
+        """The first line of the table: what was read, why it stopped, the worst standard errors,
+        and how many channels' standard errors cannot be trusted."""
         count = len(self.layers)
+        heavy = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
         return ("precise-bn: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}, {} estimator, "
-                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}").format(
+                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
             count, "" if count == 1 else "s", self.batches, "" if self.batches == 1 else "es", self.samples,
             self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
-            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")))
+            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")),
+            "; standard errors not trusted (heavy tails) in {} channel{} of {} layer{}".format(
+                sum(heavy), "" if sum(heavy) == 1 else "s", len(heavy), "" if len(heavy) == 1 else "s")
+            if heavy else "")
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])

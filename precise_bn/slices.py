@@ -1,7 +1,7 @@
 """The merge sliced by channel: which rank merges which channels, and the packing on the way.
 
 Why: gathering every rank's whole statistics makes each rank receive and merge W times its
-payload (``3 + 12 C`` float64 per layer of ``C`` channels). Every quantity of a
+payload (``3 + STATE_ROWS * C`` float64 per layer of ``C`` channels). Every quantity of a
 :class:`~precise_bn.estimator.PopulationStats` but the three layer-wide counts is per channel,
 and its merge is elementwise; so the concatenated channels of all layers are cut into W
 contiguous slices, rank ``r`` receives every rank's part of slice ``r`` and merges them in rank
@@ -10,7 +10,7 @@ channels), and the merged slices are then gathered. Each rank receives about twi
 whatever W.
 
 A slice crosses layer boundaries: it is a list of segments ``(layer, lo, hi)``; a segment
-travels as a packed state of its own (the layer's three counts, then the 12 per-channel rows
+travels as a packed state of its own (the layer's three counts, then the per-channel rows
 cut to ``lo:hi``). Pure functions, with no collective, so a test can play all ranks in one
 process.
 """
@@ -20,9 +20,8 @@ from typing import List, NamedTuple, Sequence
 
 import torch
 
-from .estimator import PopulationStats
+from .estimator import STATE_ROWS, PopulationStats
 
-_ROWS = 12  # per-channel rows of a packed state: mean, M2, centre, u (3), cov (6)
 
 
 class Segment(NamedTuple):
@@ -34,7 +33,7 @@ class Segment(NamedTuple):
 
     @property
     def size(self) -> int:
-        return 3 + _ROWS * (self.hi - self.lo)
+        return 3 + STATE_ROWS * (self.hi - self.lo)
 
 
 def plan(widths: Sequence[int], world: int) -> List[List[Segment]]:
@@ -63,8 +62,8 @@ def chunk_size(slices: Sequence[Sequence[Segment]]) -> int:
 
 def cut(state: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Channels ``lo:hi`` of a packed :meth:`PopulationStats.state`, packed the same way."""
-    channels = (state.numel() - 3) // _ROWS
-    return torch.cat([state[:3], state[3:].view(_ROWS, channels)[:, lo:hi].reshape(-1)])
+    channels = (state.numel() - 3) // STATE_ROWS
+    return torch.cat([state[:3], state[3:].view(STATE_ROWS, channels)[:, lo:hi].reshape(-1)])
 
 
 def pack(states: Sequence[torch.Tensor], segments: Sequence[Segment], size: int) -> torch.Tensor:
@@ -108,6 +107,6 @@ def join(merged_chunks: Sequence[torch.Tensor], slices: Sequence[Sequence[Segmen
         for seg, state in zip(segments, unpack(chunk, segments)):
             if not rows[seg.layer]:
                 heads[seg.layer] = state[:3]
-            rows[seg.layer].append(state[3:].view(_ROWS, seg.hi - seg.lo))
+            rows[seg.layer].append(state[3:].view(STATE_ROWS, seg.hi - seg.lo))
     return [PopulationStats.from_state(torch.cat([head, torch.cat(parts, dim=1).reshape(-1)]), name=name)
             for head, parts, name in zip(heads, rows, names)]

@@ -19,6 +19,7 @@ from reference import float64_reference
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import budget  # noqa: E402
+import calibration  # noqa: E402
 import common  # noqa: E402
 import compare  # noqa: E402
 import demo_seeds  # noqa: E402
@@ -34,6 +35,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved, "budget": budget,
             "exact": exact_cost, "attack": exact_attack, "demo": demo_seeds}
 
+
+def test_the_calibration_study_runs_quick_and_writes_its_page(tmp_path):
+    calibration.main(["--quick", "--out", str(tmp_path)])
+    text = (tmp_path / "CALIBRATION.md").read_text(encoding="utf-8")
+    assert all("| {} |".format(kind) in text for kind in calibration.KINDS) and "| 0.3 |" in text
 
 def test_every_script_runs_quick_and_writes_its_own_section(tmp_path):
     threads = torch.get_num_threads()

@@ -6,6 +6,7 @@ import torch
 
 from precise_bn import NonFiniteStatsError, PopulationStats
 from precise_bn.estimator import combine_calls
+from precise_bn.precision import untrusted_stderr
 
 
 def _moments(x: torch.Tensor):
@@ -90,12 +91,13 @@ def test_state_round_trip():
     back = PopulationStats.from_state(stats.state(), name="x")
     for key in ("count", "calls", "weight"):
         assert getattr(back, key) == getattr(stats, key)
-    for key in ("mean", "m2", "center", "u", "cov"):
+    for key in ("mean", "m2", "center", "u", "cov", "sums"):
         assert torch.equal(getattr(back, key), getattr(stats, key))
 
 
 def _brute_force_stderr(chunks):
-    """Per-call moments kept whole: the ratio-estimator standard errors written out directly."""
+    """Per-call moments kept whole: the ratio-estimator standard errors written out directly,
+    and the relative spread of their squares, ``sqrt(sum e^4 / (sum e^2)^2 - 1/k)``."""
     n = torch.tensor([c.shape[1] for c in chunks], dtype=torch.float64)
     total, k = n.sum(), len(chunks)
     means = torch.stack([c.mean(1) for c in chunks])
@@ -106,12 +108,15 @@ def _brute_force_stderr(chunks):
     factor = k / (k - 1) / total ** 2
     mean_se = ((n[:, None] ** 2 * (means - mu) ** 2).sum(0) * factor).sqrt()
     var_se = ((n[:, None] ** 2 * (y - s2) ** 2).sum(0) * factor).sqrt()
-    return mean_se, var_se
+    spreads = [((e ** 4).sum(0) / (e ** 2).sum(0) ** 2 - 1.0 / k).sqrt()
+               for e in (n[:, None] * (means - mu), n[:, None] * (y - s2))]
+    return mean_se, var_se, spreads
 
 
 def test_stderr_matches_per_call_formula_through_blocks_and_merges():
     """Blocks of calls, merged streams and a state round trip (another rank) give the standard
-    errors of the per-call formula, also for a channel whose mean is 1e4 times its std."""
+    errors of the per-call formula and their spread (from power sums moved between centres),
+    also for a channel whose mean is 1e4 times its std."""
     gen = torch.Generator().manual_seed(5)
     scale = torch.tensor([[1.0], [2.0], [1e-3], [0.5]], dtype=torch.float64)
     shift = torch.tensor([[0.0], [1e4], [1e2], [-3.0]], dtype=torch.float64)
@@ -130,10 +135,12 @@ def test_stderr_matches_per_call_formula_through_blocks_and_merges():
     whole = halves[0]
     whole.merge(PopulationStats.from_state(halves[1].state(), name="a"))
     mean_se, var_se = whole.stderr()
-    ref_mean_se, ref_var_se = _brute_force_stderr(
+    ref_mean_se, ref_var_se, ref_spreads = _brute_force_stderr(
         [chunks[i] for i in range(len(chunks))])
     torch.testing.assert_close(mean_se, ref_mean_se, rtol=1e-9, atol=0)
     torch.testing.assert_close(var_se, ref_var_se, rtol=1e-9, atol=0)
+    for spread, ref in zip(whole.tail_spread(), ref_spreads):
+        torch.testing.assert_close(spread, ref, rtol=1e-8, atol=0)
     mean, var = whole.finalize()
     ref_mean, ref_var = _moments(torch.cat(chunks, 1))
     torch.testing.assert_close(var, ref_var, rtol=1e-12, atol=0)
@@ -147,3 +154,22 @@ def test_stderr_is_nan_after_one_call_and_zero_for_a_dead_channel():
     stats.add_call(*_moments(x + 1), 10)
     mean_se, var_se = stats.stderr()
     assert var_se[0].item() == 0.0 and var_se[1].item() == 0.0 and mean_se[0].item() > 0
+
+
+def test_a_call_carrying_the_spread_marks_its_channel_and_normal_calls_do_not():
+    """The spread of the squared standard error: about sqrt(2/k) for normal calls, near 1 when
+    one call (an outlier) carries the spread; only the latter is marked."""
+    gen = torch.Generator().manual_seed(2)
+    chunks = [torch.randn(3, 32, generator=gen, dtype=torch.float64) for _ in range(64)]
+    chunks[10][1, 0] = 200.0  # one sample 200 std out, in channel 1
+    chunks[20][2] *= 0.0  # channel 2: a call without spread is no tail
+    stats = PopulationStats(3)
+    for chunk in chunks:
+        stats.add_call(*_moments(chunk), 32)
+    mean_r, var_r = stats.tail_spread()
+    assert 0.5 * (2 / 64) ** 0.5 < float(var_r[0]) < 2 * (2 / 64) ** 0.5
+    assert float(var_r[1]) > 0.9 and float(mean_r[1]) > 0.9
+    assert untrusted_stderr(stats).tolist() == [False, True, False]
+    single = PopulationStats(1)
+    single.add_call(torch.zeros(1), torch.ones(1), 4)
+    assert torch.isnan(single.tail_spread()[1]).all() and not untrusted_stderr(single).any()

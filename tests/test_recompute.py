@@ -259,6 +259,43 @@ def test_num_samples_budget_and_short_loader_warning():
         recompute(model, batches, num_batches=0)
 
 
+def test_stop_names_what_ran_out():
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(4, C, 2, 2)] * 5, huge=False)
+    for options, stop, words in [({"num_batches": 2}, "num_batches", "num_batches batches were read"),
+                                 ({"num_samples": 10}, "num_samples", "num_samples samples were read"),
+                                 ({}, "data", "the data ran out")]:
+        report = recompute(model, batches, **options)
+        assert report.stop == stop and report.to_dict()["stop"] == stop
+        assert "stopped: {};".format(words) in str(report) and "budget" not in str(report)
+
+
+def test_a_budget_below_min_batches_warns_before_the_pass_that_rtol_is_never_checked():
+    model = BNOnly(nn.BatchNorm2d(C))
+    batches = make_batches([(4, C, 2, 2)] * 8, huge=False)
+    at_first_batch = []
+
+    def loader():
+        at_first_batch.append([str(w.message) for w in caught])
+        yield from batches
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = recompute(model, loader(), rtol=0.1, num_batches=4)
+    assert at_first_batch == [["rtol=0.1 will never be checked: num_batches=4 gives 4 batches, fewer than "
+                               "min_batches=16; read more or lower min_batches"]]
+    assert report.stop == "num_batches"
+    assert "rtol=0.1 was not checked: 4 batches were read, fewer than min_batches=16" in str(caught[-1].message)
+    loader_ = torch.utils.data.DataLoader(torch.cat(batches), batch_size=4)
+    with pytest.warns(PreciseBNWarning, match=r"num_samples=20 in batches of 4 gives 5 batches"):
+        recompute(model, loader_, rtol=0.1, num_samples=20)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recompute(model, loader_, rtol=0.1, num_samples=20, min_batches=5)
+        recompute(model, batches, num_batches=4)
+    assert [str(w.message).split(":")[0] for w in caught] == ["rtol=0.1 not reached after 5 batches (stopped"]
+
+
 def test_empty_loader_raises_before_touching_anything():
     model, _ = _network_and_batches()
     before = _buffers(model)
@@ -404,6 +441,16 @@ def test_report_drift_and_json():
     data = report.to_dict()
     assert data["layers"][0]["name"] == "bn" and data["batches"] == 2
     assert math.isfinite(data["layers"][0]["var_drift"])
+
+
+def test_channels_whose_standard_errors_cannot_be_trusted_are_reported():
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, C, 2, 2, generator=gen) for _ in range(32)]
+    batches[7][0, 2] += 500.0  # one sample far out in channel 2: one call carries its spread
+    report = recompute(BNOnly(nn.BatchNorm2d(C)), batches)
+    assert report["bn"].se_untrusted == [2] and report.to_dict()["layers"][0]["se_untrusted"] == [2]
+    assert "standard errors not trusted (heavy tails) in 1 channel of 1 layer" in report.summary()
+    assert recompute(BNOnly(nn.BatchNorm2d(C)), batches[8:]).layers[0].se_untrusted == []
 
 
 def test_a_compiled_model_is_reported_under_the_users_layer_names():

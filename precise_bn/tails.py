@@ -1,0 +1,94 @@
+"""The algebra of the tail diagnostic (:meth:`precise_bn.estimator.PopulationStats.tail_spread`):
+count⁴-weighted power sums of the calls' moments, and their exact affine maps.
+
+The spread of a standard error needs ``sum e_i^4`` over the calls, with ``e_i = n_i (y_i - s2)``
+for the variance and ``n_i (m_i - mu)`` for the mean (see :mod:`precise_bn.estimator`). Per
+channel we keep ``S_ab = sum n_i^4 p_i^a q_i^b`` for ``a + b <= 4`` (15 sums), of
+``q_i = m_i - c`` and ``p_i = v_i + q_i^2`` (the call's second moment around ``c``), around
+the layer's centre ``c`` (its first call's mean), so that no mean of 1e4 std enters a power.
+``p`` is not centred: its fourth central moment comes out of raw sums of values near the
+variance, which costs about ``(var / spread)^4`` ulps, 1e-5 relative when calls of 1e6
+elements are independent draws; ample for a diagnostic compared with a threshold, and no
+per-block move (a second centre would be another group's). With ``d = mu - c``,
+``y_i - s2 = p_i - 2 d q_i + (d^2 - s2)`` and ``m_i - mu = q_i - d``: both are affine in
+``(p_i, q_i)``, and the power sums of an affine image ``(p + alpha q + gamma, q + delta)`` are an
+exact linear map of ``S``, the multinomial expansion of each power (:func:`affine`); a degree
+never grows, so 15 sums are closed under it. Merging two groups moves one onto the other's
+centre by such a map (``q' = q + d``, ``p' = p + 2 d q + d^2`` for centres ``d`` apart), after
+which power sums simply add; groups of one process share the layer's centre and just add.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+
+#: The exponents (a, b) of the power sums ``sum n_i^4 p_i^a q_i^b``, in storage order.
+POWERS = tuple((a, b) for a in range(5) for b in range(5 - a))
+#: The storage row of each exponent pair.
+INDEX = {pair: i for i, pair in enumerate(POWERS)}
+
+
+@functools.lru_cache(maxsize=None)
+def _affine_terms(device: torch.device, target: Optional[int]) -> Tuple[torch.Tensor, ...]:
+    """The expansion of ``sum w (p + alpha q + gamma)^a (q + delta)^b`` over the power sums of
+    ``(p, q)``, for every ``(a, b)`` or only the row ``target``: per term its destination and
+    source rows, its multinomial coefficient, and its powers of ``alpha``, ``gamma``, ``delta``."""
+    rows = []
+    for a, b in POWERS if target is None else [POWERS[target]]:
+        for i in range(a + 1):
+            for j in range(a - i + 1):
+                multinomial = math.factorial(a) // (math.factorial(i) * math.factorial(j) * math.factorial(a - i - j))
+                for m in range(b + 1):
+                    rows.append((INDEX[(a, b)] if target is None else 0, INDEX[(i, j + m)],
+                                 multinomial * math.comb(b, m), j, a - i - j, b - m))
+    dst, src, coef, *powers = zip(*rows)
+    return (torch.tensor(dst, device=device), torch.tensor(src, device=device),
+            torch.tensor(coef, dtype=torch.float64, device=device).unsqueeze(1),
+            *(torch.tensor(p, device=device) for p in powers))
+
+
+def _powers(base: torch.Tensor) -> torch.Tensor:
+    """``base^0 .. base^4`` (5, C), by multiplication."""
+    square = base * base
+    return torch.stack([torch.ones_like(base), base, square, square * base, square * square])
+
+
+def affine(sums: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, delta: torch.Tensor,
+           target: Optional[int] = None) -> torch.Tensor:
+    """The power sums (15, C) of ``p' = p + alpha q + gamma`` and ``q' = q + delta`` from
+    ``sums``, those of ``(p, q)``, or only their row ``target`` (1, C); ``alpha``, ``gamma``,
+    ``delta`` per channel. Exact: an affine map sends each power to a polynomial of the same
+    degree. A handful of operators on (terms, C) tensors, 126 terms for all rows."""
+    dst, src, coef, pa, pg, pd = _affine_terms(sums.device, target)
+    factors = _powers(alpha)[pa].mul_(_powers(gamma)[pg]).mul_(_powers(delta)[pd]).mul_(coef)
+    rows = len(POWERS) if target is None else 1
+    return sums.new_zeros(rows, sums.shape[1]).index_add_(0, dst, factors.mul_(sums[src]))
+
+
+def power_sums(weights: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``sum_i weights_i p_i^a q_i^b`` for every ``(a, b)`` of :data:`POWERS`, over the k rows
+    of ``p`` and ``q`` (k, C): one vector-matrix product per power sum."""
+    p_powers = [torch.ones_like(p), p, p * p]
+    p_powers += [p_powers[2] * p, p_powers[2].square()]
+    q_powers = [None, q, q * q]
+    q_powers += [q_powers[2] * q, q_powers[2].square()]
+    rows = [p_powers[a] if b == 0 else q_powers[b] if a == 0 else p_powers[a] * q_powers[b] for a, b in POWERS]
+    return torch.stack([torch.matmul(weights, row) for row in rows])
+
+
+def spread_of_squares(sums: torch.Tensor, shift: torch.Tensor, var: torch.Tensor,
+                      squares: Tuple[torch.Tensor, torch.Tensor], calls: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``r = sqrt(sum e_i^4 / (sum e_i^2)^2 - 1/k)`` for the mean and the variance, per channel,
+    from the power sums, ``shift = mu - c``, the variance ``s2`` and ``squares``,
+    the two ``sum e_i^2``; 0 where a ``sum e_i^2`` is 0."""
+    zero = torch.zeros_like(shift)
+    fourth_mean = affine(sums, zero, zero, -shift, INDEX[(0, 4)])[0]
+    fourth_var = affine(sums, -2.0 * shift, shift * shift - var, zero, INDEX[(4, 0)])[0]
+    out = []
+    for fourth, second in zip((fourth_mean, fourth_var), squares):
+        ratio = (fourth / second.square() - 1.0 / calls).clamp_(min=0).sqrt_()
+        out.append(torch.where(second > 0, ratio, zero))
+    return out[0], out[1]
