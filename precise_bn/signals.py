@@ -52,6 +52,13 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
+try:
+    # The C module behind ``signal``: the same calls without converting every number to an
+    # enum, which over every signal an install looks at costs more than the rest of it.
+    import _signal as _raw
+except ImportError:  # another Python implementation
+    _raw = signal
+
 T = TypeVar("T")
 
 _originals: Dict[int, Callable[..., Any]] = {}
@@ -78,7 +85,7 @@ def _relay(signum: int, frame: Any) -> None:
         _pending.append((signum, frame))
         return
     if not _holders:
-        signal.signal(signum, original)
+        _raw.signal(signum, original)
         _originals.pop(signum, None)
     _call(original, signum, frame)
 
@@ -117,8 +124,8 @@ def _put_back() -> None:
     _raised.clear()
     for signum in list(_originals):
         original = _originals.get(signum)
-        if original is not None and signal.getsignal(signum) is _relay:
-            signal.signal(signum, original)
+        if original is not None and _raw.getsignal(signum) is _relay:
+            _raw.signal(signum, original)
         _originals.pop(signum, None)
 
 
@@ -126,7 +133,7 @@ def _deliver() -> None:
     checkpoint()
     while _pending:
         signum, frame = _pending.pop(0)
-        handler = _originals.get(signum) or signal.getsignal(signum)
+        handler = _originals.get(signum) or _raw.getsignal(signum)
         if callable(handler) and handler is not _relay:
             _call(handler, signum, frame)
 
@@ -155,14 +162,14 @@ class Relays:
                 if sys.unraisablehook is not _rescue:
                     _unraisable_hooks[:] = [sys.unraisablehook]
                     sys.unraisablehook = _rescue
-                for signum in signal.valid_signals():
+                for signum in _raw.valid_signals():
                     try:
-                        handler = signal.getsignal(signum)
+                        handler = _raw.getsignal(signum)
                     except (OSError, ValueError):
                         continue
                     if callable(handler) and handler is not _relay:
                         _originals[signum] = handler
-                        signal.signal(signum, _relay)
+                        _raw.signal(signum, _relay)
         except BaseException:
             self.release()
             raise
