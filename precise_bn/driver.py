@@ -11,7 +11,7 @@ driver decides how many batches to run and when to talk to the other ranks:
   batches; a rank whose data ended keeps answering rounds until every rank is done;
 * the precision stop (``rtol``): at those rounds (every :data:`CHECK_EVERY` batches on one
   process), once ``min_batches`` batches were read in all, the statistics merged so far decide
-  whether every channel is precise enough (:func:`~precise_bn.precision.precise_enough`: what
+  whether every channel is precise enough (:func:`~precise_bn.precision.worst_ratio`: what
   ``rtol`` promises, and how it is kept); every rank decides on the
   same bits, so all stop after the same batch.
 """

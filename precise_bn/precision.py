@@ -104,15 +104,11 @@ def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tens
 
 
 def worst_ratio(stats: PopulationStats, rtol: float, samples: int) -> float:
-    """The largest of a layer's :func:`rtol_ratios` (0 for a layer without channels or calls)."""
+    """The largest of a layer's :func:`rtol_ratios` (0 for a layer without channels or calls).
+    When every layer's is at most 1, about 95% of channels are within ``rtol`` of the population
+    value; the driver takes the largest over layers and ranks. ``samples``: read over all ranks."""
     ratios = rtol_ratios(stats, rtol, samples)
     return float(ratios.max()) if ratios.numel() else 0.0
-
-
-def precise_enough(stats: Sequence[PopulationStats], rtol: float, samples: int) -> bool:
-    """True when every layer's :func:`worst_ratio` is at most 1: about 95% of channels are then
-    within ``rtol`` of the population value. ``samples``: read over all ranks."""
-    return all(worst_ratio(s, rtol, samples) <= 1.0 for s in stats)
 
 
 def warn_if_rtol_unreachable(opts: Options, planned: Optional[int], batch_size: Any, world: int) -> None:
