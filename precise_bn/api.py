@@ -14,7 +14,7 @@ from torch import nn
 
 from . import driver
 from .data import move_to_device, smart_forward, whole_batch_forward
-from .options import DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec, Options, as_device
+from .options import DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec, Options, as_device
 from .pytorch.bn_pass import BNPass
 from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
@@ -38,7 +38,7 @@ def recompute(
     rtol: Optional[float] = None,
     min_batches: int = DEFAULT_MIN_BATCHES,
     timeout: Union[None, float, datetime.timedelta] = DEFAULT_TIMEOUT,
-    log_period: Optional[int] = 20,
+    log_period: Optional[int] = DEFAULT_LOG_PERIOD,
     prior: float = 0.0,
 ) -> BNReport:
     """Recompute the BN layers' running stats as the population statistics of their inputs.

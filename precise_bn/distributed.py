@@ -42,6 +42,7 @@ import torch
 from . import slices
 from .errors import DistributedError
 from .estimator import PopulationStats
+from .options import DEFAULT_TIMEOUT
 
 ACTIVE, DONE, FAILED = 0, 1, 2
 #: The rounds' tags, in the order a call plays them; ``abort`` answers any round.
@@ -188,7 +189,7 @@ class Ranks:
     other ranks.
     """
 
-    def __init__(self, enabled: bool, group: Any = None, timeout: float = 300.0):
+    def __init__(self, enabled: bool, group: Any = None, timeout: float = DEFAULT_TIMEOUT):
         self.world = get_world_size(group) if enabled else 1
         self.group = group
         self.timeout = timeout

@@ -45,9 +45,7 @@ Stats = Tuple[torch.Tensor, torch.Tensor]
 
 class Backend(Protocol):
     """What the driver needs from a backend: the layers, running batches, reading statistics,
-    and writing results as the very last step of a call.
-
-    """
+    and writing results as the very last step of a call."""
 
     estimator: str
     names: List[str]

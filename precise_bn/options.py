@@ -24,6 +24,8 @@ LayerSpec = Union[None, str, Sequence[Union[str, nn.Module]]]
 
 #: Seconds a rank waits in a collective before it gives up on the others.
 DEFAULT_TIMEOUT = 300.0
+#: Batches between two log lines when there is no progress bar.
+DEFAULT_LOG_PERIOD = 20
 #: Batches read before a precision-driven stop may happen (see ``rtol``).
 DEFAULT_MIN_BATCHES = 16
 
@@ -136,7 +138,7 @@ class Options:
         DEFAULT_TIMEOUT, "seconds a rank waits for the others before raising `DistributedError` "
         "(`None` or `inf`: no limit)")
     log_period: Optional[int] = _option(
-        20, "without a bar, a log line (logger `precise_bn`) every this many batches (`None`: none)")
+        DEFAULT_LOG_PERIOD, "without a bar, a log line (logger `precise_bn`) every this many batches (`None`: none)")
     prior: float = _option(
         0.0, "test-time adaptation: pool the current running statistics, counted as this many samples, with "
         "the data's (`0`: the data alone; see docs/recalibration.md)")

@@ -25,6 +25,7 @@ import torch
 
 from .distributed import ACTIVE, Ranks, resolve_sync
 from .errors import UndoError
+from .options import DEFAULT_TIMEOUT
 from .signals import Relays, critical, write_last
 
 _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -76,7 +77,8 @@ class Snapshot:
     layer. ``sync``, ``group`` and ``timeout`` are the call's, for the round of :meth:`undo`.
     """
 
-    def __init__(self, saved: List[Any], sync: Optional[bool] = None, group: Any = None, timeout: float = 300.0):
+    def __init__(self, saved: List[Any], sync: Optional[bool] = None, group: Any = None,
+                 timeout: float = DEFAULT_TIMEOUT):
         self.records = [
             BufferRecord(name, weakref.ref(module), key, tensor, before, tensor._version, tensor.detach().clone())
             for name, module, key, tensor, before in saved

@@ -173,7 +173,7 @@ class BNPass:
             self.sharding.restore()
             self._restore_buffers()
 
-    def snapshot(self, sync: Optional[bool] = None, group: Any = None, timeout: float = 300.0) -> Snapshot:
+    def snapshot(self, sync: Optional[bool], group: Any, timeout: float) -> Snapshot:
         """The recomputed layers' buffers as before the call and as they are now: called right
         after the write, it keeps what :meth:`restore` would have put back, so the call can be
         undone later (``report.undo()``)."""
