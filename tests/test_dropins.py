@@ -310,3 +310,34 @@ def test_every_swa_difference_in_the_dropins_table():
         with pytest.raises(OSError):
             run(_Fails(_images(3)), model)
         assert model.bn.momentum == (None if run is swa_utils.update_bn else 0.3)
+
+
+def test_untrusted_and_overflowing_statistics_differ_from_both_originals_as_the_table_says():
+    """Channels-last input at mean/std 1e4: both originals are silent, ours names the channels;
+    inputs of 1e20: both originals write non-finite statistics, ours raises and changes nothing."""
+    from precise_bn import NonFiniteStatsError
+
+    gen = torch.Generator().manual_seed(5)
+    far = [(torch.randn(64, 3, 16, 16, generator=gen) + 1e4).contiguous(memory_format=torch.channels_last)
+           for _ in range(2)]
+    huge = [torch.randn(4, 3, 4, 4, generator=gen) * 1e20 for _ in range(2)]
+    originals = (lambda m, data: fvcore_update_bn_stats(m, data, len(data)),
+                 lambda m, data: swa_utils.update_bn(data, m))
+    for original in originals:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            original(nn.BatchNorm2d(3), far)
+        assert not seen, [str(w.message) for w in seen]
+        bn = nn.BatchNorm2d(3)
+        original(bn, huge)
+        assert not torch.isfinite(bn.running_var).all()
+    for ours in (lambda m, data: update_bn_stats(m, data, len(data)), lambda m, data: update_bn(data, m)):
+        bn = nn.BatchNorm2d(3)
+        with pytest.warns(PreciseBNWarning, match="may be off by more than 0.001"):
+            report = ours(bn, far)
+        assert report.layers[0].untrusted == [0, 1, 2]
+        bn = nn.BatchNorm2d(3)
+        before = copy.deepcopy(bn.state_dict())
+        with pytest.raises(NonFiniteStatsError):
+            ours(bn, huge)
+        assert all(torch.equal(v, before[k]) for k, v in bn.state_dict().items())
