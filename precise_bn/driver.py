@@ -224,25 +224,26 @@ def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") ->
     warn(message)
 
 
-def finalize(stats: Sequence[PopulationStats], unbiased: bool, dtypes: Sequence[torch.dtype]
-             ) -> List[Optional[Stats]]:
-    """Each layer's ``(mean, var)`` in float64, or None for a layer that never ran.
+def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[Stats]]:
+    """Each layer's ``(mean, var)`` in float64, or None for a layer that never ran (a
+    non-finite one raises :class:`~precise_bn.NonFiniteStatsError`, naming the layer)."""
+    return [s.finalize(unbiased) if s.count else None for s in stats]
 
-    Raises :class:`~precise_bn.NonFiniteStatsError` for a layer whose statistics are not
-    finite, or would not be once stored in its buffers' dtype (``inf`` is never written)."""
-    results = []
-    for s, dtype in zip(stats, dtypes):
-        result = s.finalize(unbiased) if s.count else None
-        if result is not None:
-            top = torch.finfo(dtype).max
-            largest = max(float(result[0].abs().max()), float(result[1].max()))
-            if largest > top:
-                raise NonFiniteStatsError(
-                    "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
-                    "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
-                        s.name, largest, str(dtype).replace("torch.", ""), top))
-        results.append(result)
-    return results
+
+def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes: Sequence[torch.dtype]) -> None:
+    """Raise :class:`~precise_bn.NonFiniteStatsError` for a layer whose statistics, as they
+    are about to be written, would not be finite once stored in its buffers' dtype: ``inf`` is
+    never written."""
+    for name, result, dtype in zip(names, results, dtypes):
+        if result is None:
+            continue
+        top = torch.finfo(dtype).max
+        largest = max(float(result[0].abs().max()), float(result[1].max()))
+        if largest > top:
+            raise NonFiniteStatsError(
+                "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
+                "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
+                    name, largest, str(dtype).replace("torch.", ""), top))
 
 
 def name_untrusted(backend: Backend, stats: Sequence[PopulationStats], report: BNReport) -> None:
@@ -355,9 +356,10 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
                 " on any rank" if ranks.world > 1 else ""))
         warn_if_short(opts, outcome, budget_name)
         warn_if_imprecise(opts, outcome.stats, backend.names, outcome.batches, outcome.samples, outcome.stop)
-        targets = finalize(outcome.stats, opts.unbiased, backend.dtypes)
+        targets = finalize(outcome.stats, opts.unbiased)
         results = [t if t is None or not opts.prior else pool_with_prior(o, t, opts.prior, outcome.samples)
                    for o, t in zip(old, targets)]
+        check_fits(backend.names, results, backend.dtypes)
         report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
                               world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
         if opts.prior:
