@@ -18,8 +18,10 @@ from .options import DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, O
 from .pytorch.bn_pass import BNPass
 from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
+from .signals import all_or_nothing
 
 
+@all_or_nothing
 def recompute(
     model: nn.Module,
     data: Iterable[Any],
@@ -86,6 +88,7 @@ def recompute(
     return recalibrate_module(model, data, opts)
 
 
+@all_or_nothing
 def update_bn_stats(
     model: nn.Module,
     data_loader: Iterable[Any],
@@ -119,6 +122,7 @@ def _swa_forward(device: Optional[torch.device]) -> ForwardFn:
     return forward
 
 
+@all_or_nothing
 def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, torch.device] = None) -> BNReport:
     """A drop-in for ``torch.optim.swa_utils.update_bn``: one pass over the whole loader.
 
@@ -131,6 +135,7 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, 
     return recalibrate_module(model, loader, Options(layers="all", progress=False), _swa_forward(as_device(device)))
 
 
+@all_or_nothing
 def recalibrate_module(
     model: nn.Module,
     data: Iterable[Any],
@@ -146,7 +151,7 @@ def recalibrate_module(
     ``explain_batches``: turn a batch the model refuses into a BatchError (default: when the
     batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the
     default forward in its own says so). The report keeps the pass's snapshot, taken in the
-    write's critical section, for ``report.undo()``."""
+    all-or-nothing call that writes, for ``report.undo()``."""
     made: List[BNPass] = []
 
     def make_backend() -> BNPass:
@@ -182,8 +187,8 @@ def recalibrated(model: nn.Module, data: Iterable[Any], **options: Any) -> Conte
 def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Iterator[BNReport]:
     # A generator, not a class: a signal handled on entering a class's ``__exit__`` would skip
     # it, while a generator left suspended is closed (running its ``finally``) when its context
-    # manager is dropped. The report is taken inside the write's critical section, so no instant
-    # after the write escapes the ``except``, which puts the statistics back whatever the block
+    # manager is dropped. The report is taken in the writing call itself (``on_write``), so no
+    # instant after the write escapes the ``except``, which puts the statistics back whatever the block
     # raised, and again if an interrupt cut the first put-back short (``release`` is idempotent).
     written: List[BNReport] = []
     try:

@@ -10,7 +10,8 @@ What else a replacement must keep, and why:
   that user. Root gives it back (``chown``); anyone else keeps the group where they may;
 * cleanup on every failure: the temporary file is removed whatever is raised, and inside
   :func:`atomic_write` a SIGTERM or SIGHUP left at its default action (which would kill the
-  process on the spot) raises :class:`Terminated` instead, so the cleanup runs then too;
+  process on the spot) raises :class:`~precise_bn.signals.Terminated` instead (the relays of
+  :mod:`precise_bn.signals`), so the cleanup runs then too;
 * a recognisable name, ``.NAME.precise-bn-XXXXXXXX.tmp``, cut to fit the file system's name
   limit: ``kill -9`` cannot be caught, and :func:`stale_temporaries` finds what it left.
 """
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import stat
 import tempfile
-import threading
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Union
+from typing import BinaryIO, Callable, List, Union
+
+from .signals import relayed
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -30,34 +31,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 TAG = ".precise-bn-"
 SUFFIX = ".tmp"
 _RANDOM = 8  # characters tempfile adds to a name
-
-
-class Terminated(SystemExit):
-    """SIGTERM or SIGHUP arrived where :func:`exit_on_terminate` was in force; the exit code is
-    128 + the signal number, as a shell reports a process the signal ended."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated(128 + signum)
-
-
-@contextlib.contextmanager
-def exit_on_terminate() -> Iterator[None]:
-    """Inside the block, SIGTERM and SIGHUP raise :class:`Terminated` (so ``finally`` blocks
-    and cleanup run) where they would otherwise end the process at once. Only signals left at
-    their default action are changed, and only in the main thread (the only one that runs
-    signal handlers)."""
-    installed: Dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for name in ("SIGTERM", "SIGHUP"):
-            signum = getattr(signal, name, None)
-            if signum is not None and signal.getsignal(signum) == signal.SIG_DFL:
-                installed[signum] = signal.signal(signum, _terminate)
-    try:
-        yield
-    finally:
-        for signum, previous in installed.items():
-            signal.signal(signum, previous)
 
 
 def name_max(folder: str) -> int:
@@ -128,7 +101,7 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
     """
     path = os.path.realpath(os.fspath(path))
     folder = os.path.dirname(path)
-    with exit_on_terminate():
+    with relayed(terminate=True):
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=SUFFIX, dir=folder)
         try:
             with os.fdopen(fd, "wb") as handle:

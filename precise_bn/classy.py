@@ -31,6 +31,7 @@ from .api import recalibrate_module
 from .data import count_samples, move_to_device
 from .errors import BackendUnavailableError, ConfigError
 from .options import Options, check_names
+from .signals import all_or_nothing
 
 try:
     from classy_vision.hooks import ClassyHook, register_hook
@@ -114,6 +115,7 @@ class PreciseBatchNormHook(ClassyHook):
         self._cached.append(model_input)
         self._cached_samples += count_samples(model_input)
 
+    @all_or_nothing
     def on_phase_end(self, task: Any) -> None:
         if not task.train:
             return

@@ -33,7 +33,7 @@ from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
 from .report import UNTRUSTED_RTOL, BNReport, LayerReport
-from .signals import Relays
+from .signals import all_or_nothing
 
 logger = logging.getLogger("precise_bn")
 
@@ -80,10 +80,9 @@ class Backend(Protocol):
         kernel's float32 statistics were kept (a worst-case bound; none when every call was
         measured in float64)."""
 
-    def finish(self, results: Sequence[Optional[Stats]], value: Any, relays: Relays,
-               on_write: Optional[Callable[[], Any]]) -> Any:
-        """Write ``results`` as the call's last step (see :func:`~precise_bn.signals.write_last`)
-        and return ``value``."""
+    def finish(self, results: Sequence[Optional[Stats]]) -> None:
+        """Write ``results`` (None: keep that layer's statistics) with
+        :func:`~precise_bn.signals.write`, so that a call that raises afterwards undoes it."""
 
 
 @dataclass
@@ -290,6 +289,7 @@ def build_report(
     return report
 
 
+@all_or_nothing
 def recalibrate(
     make_backend: Callable[[], Backend],
     data: Iterable[Any],
@@ -299,45 +299,43 @@ def recalibrate(
     on_write: Optional[Callable[[BNReport], Any]] = None,
     label: str = "precise-bn",
 ) -> BNReport:
-    """One recalibration, on any backend: build it, measure, report, write last.
+    """One recalibration, on any backend: build it, measure, report, write.
 
-    ``on_write(report)`` runs right after the new statistics are written, inside the same
-    critical section (the step cache stores them there). With several ranks, any exception on
-    one rank, from building the backend (layer selection) to the report, makes every other
+    ``on_write(report)`` runs right after the new statistics are written (the step cache
+    stores them there); if it raises, the write is undone. With several ranks, any exception
+    on one rank, from building the backend (layer selection) to the report, makes every other
     rank raise :class:`~precise_bn.DistributedError`; no rank writes unless all can.
     """
     started = time.perf_counter()
-    relays = Relays()
     ranks: Optional[Ranks] = None
     backend: Optional[Backend] = None
     grad_enabled = torch.is_grad_enabled()
-    # Everything from installing the relays to the write is inside the ``try``: an exception
-    # between two statements (a signal's handler) must still release the relays, tell the other
-    # ranks and put the model back. Leaving ``backend.attached()`` puts it back too, but a
-    # ``with`` block's ``__exit__`` is not guaranteed to run: a signal handled just before it
-    # (on entering it, on CPython 3.11) raises with the captures still on, or autograd still
-    # off. ``backend.restore()`` is idempotent and rewinds a write as well.
+    # An exception between two statements (a signal's handler) must still tell the other ranks
+    # and put the model back. Leaving ``backend.attached()`` puts it back too, but a ``with``
+    # block's ``__exit__`` is not guaranteed to run: a signal handled just before it (on
+    # entering it, on CPython 3.11) raises with the captures still on, or autograd still off.
+    # ``backend.restore()`` is idempotent.
     try:
-        relays.install()
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
         backend = make_backend()
         ranks.exchange(ACTIVE, layout_=layout(backend.collect()), round_="start")
         if not backend.names:
             logger.warning("%s: nothing to recompute: %s", label, backend.empty_reason)
             ranks.finish()
-            relays.release()
             return BNReport(world_size=ranks.world, estimator=backend.estimator)
         results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
-        return backend.finish(results, report, relays, None if on_write is None else lambda: on_write(report))
+        backend.finish(results)
+        if on_write is not None:
+            on_write(report)
+        return report
     except BaseException:
         try:
             if ranks is not None:
                 ranks.abort()
             if backend is not None:
                 backend.restore()
-        finally:  # whatever the abort or the restore raise, no relay stays installed
+        finally:
             torch.set_grad_enabled(grad_enabled)
-            relays.release()
         raise
 
 

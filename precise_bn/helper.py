@@ -23,6 +23,7 @@ from torch import nn
 from .errors import ConfigError
 from .options import Options, positive_int
 from .report import BNReport
+from .signals import all_or_nothing
 from .step_cache import StepCache
 from .torch_aux import TorchAuxModel
 
@@ -158,6 +159,7 @@ class BatchNormHelper:
         self.cache = StepCache()
         return self.aux
 
+    @all_or_nothing
     def compute_and_update_bn_stats(self, curr_iter: Any = None) -> BNReport:
         """Recompute and write the stats, or re-apply the cached ones if ``curr_iter`` is
         unchanged; ``curr_iter=None`` always recomputes."""

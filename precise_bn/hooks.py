@@ -25,6 +25,7 @@ from torch import nn
 from .errors import ConfigError
 from .options import Options, positive_int
 from .report import BNReport
+from .signals import all_or_nothing
 from .step_cache import StepCache
 from .torch_aux import TorchAuxModel, TorchCache
 
@@ -107,6 +108,7 @@ class PreciseBNHook:
         """
         return self.cache.value
 
+    @all_or_nothing
     def before_eval(self, step: int, loaded_from: Any = None) -> Optional[BNReport]:
         """Make ``model``'s BN stats precise for an evaluation at ``step``.
 
@@ -118,6 +120,7 @@ class PreciseBNHook:
         """
         return self._at(step, self.eval_period, loaded_from)
 
+    @all_or_nothing
     def before_checkpoint(self, step: int, loaded_from: Any = None) -> Optional[BNReport]:
         """Make ``model``'s BN stats precise for a checkpoint written at ``step``.
 

@@ -42,6 +42,7 @@ from .errors import BackendUnavailableError, ConfigError, PreciseBNWarning
 from .hooks import PreciseBNHook
 from .options import Options
 from .pytorch.layers import by_spec, select_layers
+from .signals import all_or_nothing
 
 try:
     import lightning.pytorch as pl
@@ -183,6 +184,7 @@ class PreciseBNCallback(pl.Callback):
                 name for name, module in select_layers(self.target(pl_module), "all") if module.training
             ]
 
+    @all_or_nothing
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.sanity_checking:
             return
@@ -190,6 +192,7 @@ class PreciseBNCallback(pl.Callback):
         if hook is not None:
             hook.before_eval(trainer.global_step, trainer.ckpt_path)
 
+    @all_or_nothing
     def on_save_checkpoint(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: Dict[str, Any]
     ) -> None:

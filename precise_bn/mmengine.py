@@ -28,6 +28,7 @@ from torch import nn
 from .errors import BackendUnavailableError, ConfigError, warn
 from .hooks import PreciseBNHook
 from .options import Options, positive_int
+from .signals import all_or_nothing
 
 try:
     from mmengine.hooks import Hook
@@ -82,11 +83,13 @@ class ExactPreciseBNHook(Hook):
     def before_run(self, runner: Any) -> None:
         self.hook = None  # a new run may bring another model or dataloader
 
+    @all_or_nothing
     def before_val(self, runner: Any) -> None:
         hook = self._get_hook(runner)
         if hook is not None and self._due(runner, runner.epoch, runner.iter):
             hook.before_eval(runner.iter)
 
+    @all_or_nothing
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
         hook = self._get_hook(runner)
         meta = checkpoint.get("meta", {})

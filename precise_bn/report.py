@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .errors import UndoError
+from .signals import all_or_nothing
 from .snapshot import Snapshot
 
 #: What the report's numbers mean; printed in the JSON report and the README.
@@ -186,6 +187,7 @@ class BNReport:
     rtol: Optional[float] = None
     snapshot: Optional[Snapshot] = field(default=None, repr=False, compare=False)
 
+    @all_or_nothing
     def undo(self) -> None:
         """Put the recomputed layers' buffers back as they were before the call, bit for bit and
         the same tensor objects, if nothing changed them since; else raise

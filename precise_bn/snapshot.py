@@ -11,8 +11,9 @@ object with the same counter and the same bits; otherwise it would silently over
 made since (a training step, another recalibration, a loaded checkpoint), so it raises
 :class:`~precise_bn.UndoError` and changes nothing.
 
-The put-back itself is one critical section (:mod:`precise_bn.signals`): an interrupt never
-leaves some layers undone and others not. With several ranks, every rank checks its own model,
+The put-back itself is a :func:`~precise_bn.signals.write` (an undo that raises puts the
+call's statistics back) or, leaving a block, a critical section: an interrupt never leaves
+some layers undone and others not. With several ranks, every rank checks its own model,
 then one round tells all of them whether any rank refused, so either all undo or none does.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from .distributed import ACTIVE, Ranks, resolve_sync
 from .errors import UndoError
 from .options import DEFAULT_TIMEOUT
-from .signals import Relays, critical, write_last
+from .signals import all_or_nothing, critical, write
 
 _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -72,7 +73,7 @@ class BufferRecord:
 class Snapshot:
     """The recomputed layers' buffers before a call and as it left them (see the module docstring).
 
-    Build it right after the write, inside the write's critical section: ``saved`` lists
+    Build it right after the write, in the same all-or-nothing call: ``saved`` lists
     ``(layer name, module, key, tensor, value before)`` for every buffer of every recomputed
     layer. ``sync``, ``group`` and ``timeout`` are the call's, for the round of :meth:`undo`.
     """
@@ -90,6 +91,7 @@ class Snapshot:
         """One line per buffer changed since the call wrote ("layer: what")."""
         return ["layer {!r}: {}".format(r.layer, c) for r in self.records for c in [r.change()] if c]
 
+    @all_or_nothing
     def undo(self) -> None:
         """Put back the statistics from before the call, if nothing changed them since; else
         raise :class:`~precise_bn.UndoError` (on every rank, if any rank refuses) and change
@@ -105,27 +107,21 @@ class Snapshot:
                     "overwrite that change, so nothing was undone. Recompute, or load the statistics you "
                     "want".format("; ".join(changes[:3]), "; ..." if len(changes) > 3 else ""))
             ranks.exchange(ACTIVE)
-            ranks.finished = True
+            ranks.finish()
         except BaseException:
             ranks.abort()
             raise
-        write_last(self._put_back, self._write_again)
+        write(self._put_back, self._write_again)
 
+    @all_or_nothing
     def release(self) -> None:
         """Put back the statistics from before the call whatever happened since (unless already
         undone): what leaving a ``with recalibrated(...)`` block does. Idempotent: a caller cut
         short by an interrupt calls it again on the way out."""
         if self.undone:
             return
-        relays = Relays()
-        try:
-            relays.install()
-            with critical():
-                self._put_back()
-            relays.release()
-        except BaseException:
-            relays.release()
-            raise
+        with critical():
+            self._put_back()
 
     def _put_back(self) -> None:
         with torch.no_grad():

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from .report import BNReport
+from .signals import all_or_nothing, write
 
 C = TypeVar("C")
 Store = Callable[[C, BNReport], None]
@@ -30,24 +31,29 @@ class StepCache(Generic[C]):
         self.report: Optional[BNReport] = None
         self.recomputations = 0
 
+    @all_or_nothing
     def at(self, key: Any, compute: Callable[[Store], BNReport], apply: Callable[[C], None]) -> BNReport:
         """``apply`` the cached values when ``key`` is the cached one (``None`` never is);
         else ``compute(store)``, which must call ``store(values, report)`` once it has written.
 
-        ``apply`` writes last (it returns None, so the report is read in the same expression:
-        no statement runs after the write). A ``compute`` that raises after it stored (a
-        signal as its write ended: the write is undone) leaves the cache as it was, so the
-        next call with this key recomputes rather than writing back stats the model never kept.
+        Storing is a :func:`~precise_bn.signals.write` of its own: if the call raises after it
+        (a signal as the model's write ended: that write is undone too), the cache is as it
+        was, so the next call with this key recomputes rather than writing back stats the
+        model never kept.
         """
         if key is not None and self.value is not None and key == self.key and self.report is not None:
-            return apply(self.value) or self.report
-        kept = self.key, self.value, self.report, self.recomputations
-        try:
-            return compute(lambda value, report: self._store(key, value, report))
-        except BaseException:
-            self.key, self.value, self.report, self.recomputations = kept
-            raise
+            apply(self.value)
+            return self.report
+        return compute(lambda value, report: self._store(key, value, report))
 
     def _store(self, key: Any, value: C, report: BNReport) -> None:
-        self.key, self.value, self.report = key, value, report
-        self.recomputations += 1
+        kept = self.key, self.value, self.report, self.recomputations
+
+        def change() -> None:
+            self.key, self.value, self.report = key, value, report
+            self.recomputations = kept[3] + 1
+
+        def undo() -> None:
+            self.key, self.value, self.report, self.recomputations = kept
+
+        write(change, undo)

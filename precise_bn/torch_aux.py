@@ -20,7 +20,7 @@ from .data import CyclingBatches, smart_forward
 from .options import Options
 from .pytorch.layers import by_spec, select_layers, unwrap_model
 from .report import BNReport
-from .signals import write_last
+from .signals import all_or_nothing, write
 
 TorchCache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 Store = Callable[[TorchCache, BNReport], None]
@@ -90,8 +90,8 @@ class TorchAuxModel:
         return lambda _net, batch: [one(m, batch) for m in members]
 
     def run(self, store: Store) -> BNReport:
-        """Recompute; the written stats are stored (cloned) in the same critical section, and
-        every random generator is put back before the write (or before an exception leaves)."""
+        """Recompute; right after the write, every random generator is put back and the written
+        stats are stored (cloned); an exception puts the generators back too."""
         kept = rng.SavedRNG(rng.loader_generators(self.batches.data))
 
         def on_write(report: BNReport) -> None:
@@ -110,9 +110,10 @@ class TorchAuxModel:
             kept.restore()
             raise
 
+    @all_or_nothing
     def apply(self, cache: TorchCache) -> None:
-        """Write cached stats back as one step that an interrupt cannot split or leave behind
-        (:func:`~precise_bn.signals.write_last`, which also installs the signal relays)."""
+        """Write cached stats back as one :func:`~precise_bn.signals.write`, which an interrupt
+        cannot split or leave behind."""
         modules = dict(self.net.named_modules())
         targets = [(modules[name], mean, var) for name, (mean, var) in cache.items()]
         saved = [(m.running_mean.clone(), m.running_var.clone()) for m, _, _ in targets]
@@ -123,4 +124,4 @@ class TorchAuxModel:
                     module.running_mean.copy_(mean)
                     module.running_var.copy_(var)
 
-        return write_last(lambda: copy([(mean, var) for _, mean, var in targets]), lambda: copy(saved))
+        write(lambda: copy([(mean, var) for _, mean, var in targets]), lambda: copy(saved))

@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from precise_bn.atomic import SUFFIX, TAG, Terminated, atomic_write, name_max, probe, stale_temporaries
+from precise_bn.atomic import SUFFIX, TAG, atomic_write, name_max, probe, stale_temporaries
+from precise_bn.signals import Terminated
 
 
 def test_new_file_gets_umask_permissions_and_replaced_file_keeps_its_own(tmp_path):

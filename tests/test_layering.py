@@ -11,9 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 # Lowest first. A module belongs to the first layer with an entry that is its name or a package
 # holding it; the package root (re-exports) and ``__main__`` sit above everything.
 LAYERS = [
-    ["errors", "_version", "atomic", "digits", "rng", "tails"],
+    ["errors", "_version", "signals", "atomic", "digits", "rng", "tails"],
     ["options", "estimator", "slices"],
-    ["data", "distributed", "report", "signals", "snapshot", "precision"],
+    ["data", "distributed", "report", "snapshot", "precision"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],
     ["api", "caffe2.backend"],

@@ -49,7 +49,7 @@ from ..errors import ConfigError, LayerError, NonFiniteStatsError
 from ..estimator import PopulationStats
 from ..options import Options
 from ..report import BNReport
-from ..signals import Relays, write_last
+from ..signals import all_or_nothing, write
 from .net import BNBlobs, device_option, devices_of_net, find_bn_layers, forward_only_net, import_caffe2
 from .stats import decode_saved_stats, measure_input, untrusted_channels
 
@@ -153,12 +153,13 @@ class Caffe2AuxModel:
         return recalibrate(lambda: _Caffe2Pass(self), self.batches, self.opts, budget_name="iters",
                            on_write=on_write, label="precise-bn (caffe2)")
 
+    @all_or_nothing
     def apply(self, cache: Caffe2Cache) -> None:
         """Feed cached float32 ``(rm, riv)`` to every device of each layer, running no net, as one
-        step an interrupt cannot split or leave behind."""
+        :func:`~precise_bn.signals.write` that an interrupt cannot split or leave behind."""
         snapshot = self.snapshot()
         fed = [(b, mean, var) for name, (mean, var) in cache.items() for b in self.layers[name]]
-        return write_last(lambda: self.restore(fed), lambda: self.restore(snapshot))
+        write(lambda: self.restore(fed), lambda: self.restore(snapshot))
 
 
 class _Caffe2Pass:
@@ -259,14 +260,7 @@ class _Caffe2Pass:
     def collect(self) -> List[PopulationStats]:
         return self.stats
 
-    def finish(self, results: Sequence[Optional[Stats]], value: Any, relays: Relays,
-               on_write: Optional[Callable[[], Any]]) -> Any:
+    def finish(self, results: Sequence[Optional[Stats]]) -> None:
         fed = [(b, result[0].numpy().astype(np.float32), result[1].numpy().astype(np.float32))
                for blobs, result in zip(self.aux.layers.values(), results) if result is not None for b in blobs]
-
-        def write() -> None:
-            self.aux.restore(fed)
-            if on_write is not None:
-                on_write()
-
-        return write_last(write, lambda: self.aux.restore(self._snapshot), relays, value)
+        write(lambda: self.aux.restore(fed), lambda: self.aux.restore(self._snapshot))

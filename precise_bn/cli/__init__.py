@@ -25,9 +25,9 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 import torch
 
 from .. import distributed
-from ..atomic import Terminated, exit_on_terminate
 from ..data import input_key_forward
 from ..options import ForwardFn, Options
+from ..signals import Terminated, relayed
 from . import convert, show
 from .demo import run_demo
 from .failures import one_line
@@ -133,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        with exit_on_terminate(), _logging_to_stderr(args.quiet), warnings.catch_warnings():
+        with relayed(terminate=True), _logging_to_stderr(args.quiet), warnings.catch_warnings():
             warnings.showwarning = _show_warning
             COMMANDS[args.command](args)
             sys.stdout.flush()

@@ -8,13 +8,14 @@ the new statistics are written as the very last step. How:
   :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
 * a failure anywhere else (a forward, the merge, the report, a warning turned into an error)
   leads to :meth:`BNPass.restore`, which is idempotent;
-* :meth:`BNPass.finish` writes in one section and, if a signal arrived meanwhile or anything
-  is raised before it returns, puts the old statistics back before the exception leaves.
+* :meth:`BNPass.finish` writes with :func:`~precise_bn.signals.write`: if anything is raised
+  before the outermost all-or-nothing call returns (a signal deferred from the write on
+  included), the old statistics are put back before the exception leaves.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from ..errors import BatchError
 from ..estimator import PopulationStats
 from ..options import ForwardFn
 from ..report import UNTRUSTED_RTOL
-from ..signals import Relays, checkpoint, critical, write_last
+from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
 from .capture import CallCapture, Scratch, flush
 from .layers import NamedLayer, no_layer_message
@@ -32,7 +33,6 @@ from .sharding import FullParameters
 from .trust import variance_error_bound
 
 Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
-T = TypeVar("T")
 
 
 class BNPass:
@@ -188,37 +188,28 @@ class BNPass:
             module._buffers[key] = buf
             buf.copy_(saved)
 
-    def finish(
-        self,
-        results: Sequence[Result],
-        value: T,
-        relays: Optional[Relays] = None,
-        on_write: Optional[Callable[[], Any]] = None,
-    ) -> T:
+    def finish(self, results: Sequence[Result]) -> None:
         """Write ``results`` (``(mean, var)`` per layer, None to keep a layer's old stats) in
-        place with ``copy_``, so references held elsewhere see them; then ``on_write()``.
-        Returns ``value``, so that a caller can make this its last statement.
+        place with ``copy_``, so references held elsewhere see them.
 
-        Done by :func:`~precise_bn.signals.write_last`: a signal meanwhile, or anything raised
-        before this returns, puts the old statistics back before the exception leaves.
+        A :func:`~precise_bn.signals.write`: if the all-or-nothing call around it raises, a
+        signal's handler included, the old statistics are put back before the exception leaves.
         """
 
-        def write() -> None:
+        def change() -> None:
             with torch.no_grad():
                 self.restore()
                 for (_, module), result in zip(self.layers, results):
                     if result is not None:
                         module.running_mean.copy_(result[0])
                         module.running_var.copy_(result[1])
-                if on_write is not None:
-                    on_write()
             self._finished = True
 
         def undo() -> None:
             with torch.no_grad():
                 self._restore_buffers()
 
-        return write_last(write, undo, relays, value)
+        write(change, undo)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._finished:
