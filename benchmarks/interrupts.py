@@ -54,10 +54,11 @@ PHASES = ("setup", "pass", "merge", "report", "write", "restore", "driver", "out
 #: "" entry is the default for its other functions; files absent here (the estimator, the
 #: report, data conventions, rank rounds) take the phase of their caller.
 _PHASE_OF = {
-    "signals.py": {"install": "setup", "release": "restore", "_put_back": "restore", "write_last": "write",
+    "signals.py": {"install": "setup", "begin": "setup", "release": "restore", "_put_back": "restore",
+                   "abort": "restore", "write": "write", "commit": "write", "stop_deferring": "write",
                    "_deliver": "write", "": "driver"},
     "bn_pass.py": {"__init__": "setup", "__enter__": "setup", "old_stats": "setup", "attached": "setup",
-                   "step": "pass", "running": "pass", "collect": "merge", "finish": "write", "write": "write",
+                   "step": "pass", "running": "pass", "collect": "merge", "finish": "write", "change": "write",
                    "undo": "write", "restore": "restore", "_restore_buffers": "restore", "__exit__": "restore"},
     "capture.py": {"attach": "setup", "__init__": "setup", "_capturing_class": "setup", "_block_for": "setup",
                    "detach": "restore", "flush": "merge", "_merge": "merge", "_uniform_pending": "merge",
@@ -65,7 +66,7 @@ _PHASE_OF = {
     "trust.py": {"": "pass"},
     "driver.py": {"run_pass": "pass", "update": "pass", "play": "pass", "finalize": "merge",
                   "build_report": "report", "warn_if_short": "report", "recalibrate": "driver"},
-    "step_cache.py": {"": "driver"},
+    "step_cache.py": {"_store": "write", "change": "write", "undo": "restore", "": "driver"},
     "torch_aux.py": {"apply": "write", "copy": "write", "on_write": "write", "_prepare": "setup", "": "driver"},
     "rng.py": {"__init__": "setup", "loader_generators": "setup", "": "driver"},
     "layers.py": {"": "setup"},

@@ -303,9 +303,10 @@ class _Call:
             if root is not None:
                 undos = root.undos[self.mark:]
                 try:
-                    with critical():
-                        for undo in reversed(undos):
-                            undo()
+                    if undos:
+                        with critical():
+                            for undo in reversed(undos):
+                                undo()
                 finally:
                     del root.undos[self.mark:]
                     _leave_stack(self)
