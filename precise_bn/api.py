@@ -48,8 +48,9 @@ def recompute(
     The model runs forward only, its BN layers normalising with batch statistics, on batches of
     ``data``; every call of every chosen layer is measured and merged exactly (see
     :mod:`precise_bn.estimator`), and the population mean and variance are written into
-    ``running_mean`` / ``running_var`` in place, as the very last step. If the call raises,
-    whatever the exception, ``KeyboardInterrupt`` included, the model is exactly as it was.
+    ``running_mean`` / ``running_var`` in place, after the report and every warning. If the
+    call raises, whatever the exception, ``KeyboardInterrupt`` included, the model is exactly
+    as it was.
 
     Args:
         model: the model; DDP and ``torch.compile`` wrappers are looked through.

@@ -45,7 +45,7 @@ Stats = Tuple[torch.Tensor, torch.Tensor]
 
 class Backend(Protocol):
     """What the driver needs from a backend: the layers, running batches, reading statistics,
-    and writing results as the very last step of a call."""
+    and writing results (a write that the call undoes if it raises afterwards)."""
 
     estimator: str
     names: List[str]

@@ -124,6 +124,17 @@ def _arrival(frame: Any, depth: int = 6) -> str:
     return " < ".join(names)
 
 
+def handed_over_late(frame: Any) -> bool:
+    """True when the relays recorded the signal and handed it to its handler later (the
+    innermost package frames are the relay module's, ``_deliver`` among them), False when a
+    relay passed it straight on or no relay was involved."""
+    while frame is not None and frame.f_code.co_filename.endswith("signals.py"):
+        if frame.f_code.co_name == "_deliver":
+            return True
+        frame = frame.f_back
+    return False
+
+
 class Alarm:
     """The test's ``SIGALRM`` handler: with ``raising``, raises ``KeyboardInterrupt`` while the
     package is on the stack; else only counts. Remembers where the last signal was handled."""
@@ -144,7 +155,7 @@ class Alarm:
 
     def handler(self, signum: int, frame: Any) -> None:
         here = sys._getframe(1)
-        deferred = here.f_code.co_filename.endswith("signals.py") and here.f_code.co_name != "_relay"
+        deferred = handed_over_late(here)
         self.count += 1
         self.landed = (_arrival(frame), _arrival(here) or frame_name(here), deferred)
         if self.raising and _arrival(here):

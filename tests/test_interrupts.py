@@ -76,6 +76,7 @@ def test_a_signal_at_every_line_is_deferred_or_raised_never_lost(name, stride, r
     trials = line_trials(make_case(name, SMALL_BLOCKS, num_batches=2), send=True, raising=raising, stride=stride)
     assert all(t.raised == raising for t in trials), [t.where for t in trials if t.raised != raising][:5]
     assert any(t.deferred for t in trials), "no signal was sent inside a critical section"
+    assert not all(t.deferred for t in trials), "no signal was passed straight to its handler"
 
 
 class Unused(nn.Module):

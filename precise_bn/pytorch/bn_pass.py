@@ -2,7 +2,8 @@
 
 The guarantee: if the call that owns the pass raises, whatever the exception and wherever it
 is raised, the model is bit-identical to before (every buffer, class, momentum and train flag);
-the new statistics are written as the very last step. How:
+the new statistics are written after everything that can fail, and undone if the call still
+raises. How:
 
 * every change to the model (attaching the captures, restoring, writing) runs inside a
   :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
