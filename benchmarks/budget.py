@@ -274,8 +274,10 @@ def render(args: argparse.Namespace, argv: Optional[Sequence[str]], studies: Seq
         "seconds column is wall time on this shared machine.".format(os.getloadavg()[0]),
         "![budget](budget.png)",
         "Each run reads an endless loader of the data set, reshuffled every epoch, and stops on `rtol` "
-        "(every channel's standard error within `rtol` of its std and variance, checked every 8 batches "
-        "after 16) or on its budget; the 200-batch row is fvcore's default. Errors are relative, against "
+        "(the rule of `docs/precision.md`, checked every 8 batches after 16: for every channel, Student's t "
+        "quantile times a standard error taken one of its own deviations high within `rtol` of its std and "
+        "variance, a standard error that can be trusted, a dead channel read long enough) or on its budget; "
+        "the 200-batch row is fvcore's default. Errors are relative, against "
         "the population (`d mean / std`, `d var / var`), worst over all channels of all layers and the "
         "median; `channels within rtol`: both errors within `rtol`. When a run reads the data set several "
         "times, the stated standard error (which treats every batch as a fresh draw from an unlimited "

@@ -186,3 +186,21 @@ def test_no_module_shadows_the_standard_library():
     stdlib = getattr(sys, "stdlib_module_names", {"inspect", "json", "logging", "os", "signal", "types", "typing"})
     shadowing = [name for name in _modules() if name and name.split(".")[-1] in stdlib]
     assert not shadowing, shadowing
+
+
+def test_only_ranks_changes_the_state_of_ranks():
+    """A ``Ranks`` object's fields (which round it is in, whether it finished) are set by its own
+    methods alone: no other module assigns to an attribute of a ``ranks`` variable."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "distributed":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                owner = target.value if isinstance(target, ast.Attribute) else None
+                if isinstance(owner, ast.Name) and owner.id == "ranks" or \
+                        isinstance(owner, ast.Attribute) and owner.attr == "ranks":
+                    offenders.append("{}:{}".format(name, node.lineno))
+    assert not offenders, "set through a Ranks method instead: {}".format(offenders)
