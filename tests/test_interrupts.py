@@ -5,13 +5,13 @@ attack in ``tests/interrupt_cases.py``; the same trials in larger numbers are wh
 ``benchmarks/interrupts.py`` runs (``benchmarks/INTERRUPTS.md``).
 
 Both environments run the line-by-line trials. The random-timed ones run in the main
-environment only. Python 3.9 checks for signals at nearly every bytecode, also between the
-entry point's last call and its return and while the returning frames free the pass's
-objects, after the new statistics are written: a window that Python code cannot close (see
-:mod:`precise_bn.signals`), where about one random-timed trial in a hundred lands
-(``benchmarks/INTERRUPTS.md``), a failure by chance that a test must not have. CPython 3.11
-handles signals only on entering a function, on loop back-edges and after calls to C, and none
-of those come after the write.
+environment only. Python 3.9 checks for signals at nearly every bytecode, also in the
+outermost all-or-nothing call's own last bytecodes (its ``return`` and the freeing of its
+frame), after the new statistics are written and the signals deferred since are handed over: a
+window that Python code cannot close (see :mod:`precise_bn.signals`). None of 3,500
+random-timed trials landed there (``benchmarks/INTERRUPTS.md``), but a failure by chance is
+one a test must not have. CPython 3.11 handles signals only on entering a function, on loop
+back-edges and after calls to C, and none of those come after that call's last check.
 """
 from __future__ import annotations
 
