@@ -204,3 +204,15 @@ def test_only_ranks_changes_the_state_of_ranks():
                         isinstance(owner, ast.Attribute) and owner.attr == "ranks":
                     offenders.append("{}:{}".format(name, node.lineno))
     assert not offenders, "set through a Ranks method instead: {}".format(offenders)
+
+
+def test_only_the_signals_module_touches_signal_handlers():
+    """One mechanism for every signal: no other module imports ``signal`` (docs/ARCHITECTURE.md)."""
+    importers = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if name != "signals" and any(n.split(".")[0] in ("signal", "_signal") for n in names):
+                importers.append(name)
+    assert not importers, importers
