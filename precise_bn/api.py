@@ -14,7 +14,8 @@ from torch import nn
 
 from . import driver
 from .data import move_to_device, smart_forward, whole_batch_forward
-from .options import DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec, Options, as_device
+from .options import (DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec,
+                      Options, as_device)
 from .pytorch.bn_pass import BNPass
 from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
@@ -189,8 +190,9 @@ def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Itera
     # A generator, not a class: a signal handled on entering a class's ``__exit__`` would skip
     # it, while a generator left suspended is closed (running its ``finally``) when its context
     # manager is dropped. The report is taken in the writing call itself (``on_write``), so no
-    # instant after the write escapes the ``except``, which puts the statistics back whatever the block
-    # raised, and again if an interrupt cut the first put-back short (``release`` is idempotent).
+    # instant after the write escapes the ``except``, which puts the statistics back whatever
+    # the block raised, and again if an interrupt cut the first put-back short (``release`` is
+    # idempotent).
     written: List[BNReport] = []
     try:
         report = recalibrate_module(model, data, opts, on_write=written.append)

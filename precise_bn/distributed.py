@@ -178,7 +178,6 @@ class Part(NamedTuple):
     local: List[PopulationStats]
 
 
-
 class Ranks:
     """The rounds of one call across the ranks of ``group`` (the identity on one process).
 

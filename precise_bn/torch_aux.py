@@ -105,7 +105,7 @@ class TorchAuxModel:
             self._prepare()
         try:
             return recalibrate_module(self.net, self.batches, self.opts.replace(forward_fn=self._forward()),
-                               on_write=on_write, explain_batches=self.opts.forward_fn is None)
+                                      on_write=on_write, explain_batches=self.opts.forward_fn is None)
         except BaseException:
             kept.restore()
             raise
