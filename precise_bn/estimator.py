@@ -116,6 +116,13 @@ class CallGroup:
 SHIFT_CHUNK = 1 << 15
 
 
+def shift_buffer_size(by_channel: torch.Tensor) -> int:
+    """The float64 values :func:`shifted_moments` needs in its ``buffer`` for ``by_channel``:
+    :data:`SHIFT_CHUNK`, or one sample's values (the second axis) when they are more, never more
+    than the whole."""
+    return min(by_channel.numel(), max(SHIFT_CHUNK, by_channel[:, :1].numel()))
+
+
 def shifted_moments(
     by_channel: torch.Tensor,
     shift: torch.Tensor,
@@ -123,11 +130,11 @@ def shifted_moments(
     out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float64 mean and biased variance of each channel of ``by_channel`` (channels on the first
-    axis, samples on the second, any layout), measured around ``shift`` (float64, one value per channel), into ``out``
-    when given.
+    axis, samples on the second, any layout), measured around ``shift`` (float64, one value per
+    channel), into ``out`` when given.
 
-    Why this is exact whatever the data. ``y = x - shift`` is formed in float64 (``buffer``, at
-    least ``min(numel, SHIFT_CHUNK)`` elements, overwritten), so each ``y`` is exact: a float32
+    Why this is exact whatever the data. ``y = x - shift`` is formed in float64 (``buffer``, of
+    at least :func:`shift_buffer_size` elements, overwritten), so each ``y`` is exact: a float32
     ``x`` and a float32-representable ``shift`` differ by at most 53 significant bits. Its row
     sums ``s1`` and sums of squares ``s2`` are float64 reductions (relative error of order
     ``log2(n) * 2**-53``). With ``shift`` a batch mean, even a float32 one, ``y`` is of the order

@@ -46,7 +46,7 @@ import torch
 from ..data import CyclingBatches
 from ..driver import recalibrate
 from ..errors import ConfigError, LayerError, NonFiniteStatsError
-from ..estimator import PopulationStats
+from ..estimator import PopulationStats, shift_buffer_size
 from ..options import Options
 from ..report import BNReport
 from ..signals import all_or_nothing, write
@@ -241,8 +241,9 @@ class _Caffe2Pass:
         fetch = self.aux.workspace.FetchBlob
         x, sm, c = fetch(b.x), fetch(b.sm), fetch(b.shift).reshape(-1)
         shift = np.where(np.isfinite(sm), sm, 0).astype(np.float32)
-        if self._buffer is None or self._buffer.numel() < x.size:
-            self._buffer = torch.empty(x.size, dtype=torch.float64)
+        size = shift_buffer_size(torch.from_numpy(x).movedim(b.channel_axis, 0))
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = torch.empty(size, dtype=torch.float64)
         mean, var, count = measure_input(x, shift, b.channel_axis, self._buffer)
         mean += torch.from_numpy(c.astype(np.float64))
         bad = ~torch.isfinite(mean + var).numpy()

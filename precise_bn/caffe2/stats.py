@@ -41,8 +41,9 @@ def measure_input(x: np.ndarray, shift32: np.ndarray, axis: int, buffer: torch.T
                   ) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """Float64 ``(mean, biased var, elements per channel)`` of a SpatialBN input ``x`` whose
     channels lie on ``axis``, measured around ``shift32``, the kernel's float32 batch mean (see
-    :func:`~precise_bn.estimator.shifted_moments`; ``buffer`` holds at least ``x.size``
-    float64 values and is overwritten)."""
+    :func:`~precise_bn.estimator.shifted_moments`; ``buffer`` holds at least
+    :func:`~precise_bn.estimator.shift_buffer_size` float64 values for ``x`` with ``axis`` moved
+    first, and is overwritten)."""
     t = torch.from_numpy(np.ascontiguousarray(x)).movedim(axis, 0)
     shift = torch.from_numpy(np.asarray(shift32, dtype=np.float64)).reshape(-1)
     mean, var = shifted_moments(t, shift, buffer)

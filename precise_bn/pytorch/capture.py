@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..estimator import SHIFT_CHUNK, PopulationStats, combine_calls, shifted_moments
+from ..estimator import PopulationStats, combine_calls, shift_buffer_size, shifted_moments
 from . import trust
 
 MAX_BLOCK_CALLS = 64
@@ -270,9 +270,9 @@ class CallCapture:
         block = self._measured.get(x.device)
         if block is None:
             block = self._measured[x.device] = _Block(shift32, self.block_calls, torch.float64, unbiased=False)
-        size = min(x.numel(), max(SHIFT_CHUNK, x[:1].numel()))
-        buffer = self._scratch.buffer((size,), x.device, torch.float64)
-        shifted_moments(x.movedim(1, 0), shift32.double(), buffer, out=block.slot(len(block.counts)))
+        by_channel = x.movedim(1, 0)
+        buffer = self._scratch.buffer((shift_buffer_size(by_channel),), x.device, torch.float64)
+        shifted_moments(by_channel, shift32.double(), buffer, out=block.slot(len(block.counts)))
         return block
 
     def _merge(self, block: _Block) -> None:
