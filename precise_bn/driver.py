@@ -31,7 +31,7 @@ from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
 from .errors import EmptyDataError, NonFiniteStatsError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
-from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
+from .precision import flags, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
 from .report import UNTRUSTED_RTOL, BNReport, LayerReport
 from .signals import all_or_nothing
 
@@ -276,13 +276,14 @@ def build_report(
                       estimator=estimator, seconds=seconds, stop=outcome.stop, rtol=opts.rtol)
     for name, (old_mean, old_var), layer_eps, s, result in zip(names, old, eps, outcome.stats, results):
         mean_se, var_se = s.stderr(opts.unbiased) if result is not None else (None, None)
+        reasons = flags(s) if result is not None else {}
         report.layers.append(LayerReport(
             name=name, elements=s.count, calls=s.calls, old_mean=old_mean, old_var=old_var,
             new_mean=None if result is None else result[0].cpu(),
             new_var=None if result is None else result[1].cpu(),
             mean_stderr=None if mean_se is None else mean_se.cpu(),
             var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps),
-            se_untrusted=untrusted_stderr(s).nonzero().reshape(-1).tolist() if result is not None else []))
+            se_untrusted=sorted(c for channels in reasons.values() for c in channels), se_reasons=reasons))
     if report.unused:
         warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
             len(report.unused), ", ".join(report.unused)))
