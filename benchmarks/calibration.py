@@ -335,8 +335,9 @@ def plot(cfg: Config, curves: Dict, path: Path) -> None:
     """Covered or marked against the batches read, one line per loader."""
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind in ORDER_KINDS:
-        ax.plot(cfg.reads, [100 * v for v in curves[kind]], marker="o", label=kind)
+    for index, kind in enumerate(ORDER_KINDS):  # a line style each: some lines lie on others
+        ax.plot(cfg.reads, [100 * v for v in curves[kind]], marker="os^vD<>x"[index % 8],
+                linestyle=("-", "--", ":", "-.")[index % 4], label=kind)
     ax.axhline(90, color="gray", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     common.plain_log_ticks(ax, cfg.reads)

@@ -26,8 +26,8 @@ from .options import Options
 #: means), in the order a channel is named by: the first that holds.
 FLAGS = {
     "repeated": ("the same batch repeated",
-                 "batch means and variances vary far less than independent batches can (the same batch read "
-                 "again and again)"),
+                 "every batch has the same means and variances, bit for bit (the same batch read again and "
+                 "again)"),
     "concentrated": ("a few batches hold most elements",
                      "a few batches hold most of the elements, so the standard errors rest on a few draws"),
     "tails": ("heavy tails",
@@ -45,10 +45,10 @@ FLAGS = {
 #: off by a quarter or more.
 TAIL_LIMIT = 0.5
 #: Calls whose means and second moments differ by less than this relative to the channel's
-#: magnitude (float32's resolution, :meth:`~precise_bn.estimator.PopulationStats.call_spread`) are
-#: the same batch read again: no spread of independent batches stays below what their statistics
-#: can resolve.
-REPEATED = 2.0 ** -23
+#: magnitude (:meth:`~precise_bn.estimator.PopulationStats.call_spread`) are the same batch read
+#: again, bit for bit: the float64 merge's own rounding. A looser test takes for repeats what
+#: legitimately spreads little (``docs/precision.md``).
+REPEATED = 1e-12
 #: Fewer effective calls than this, ``2 / TAIL_LIMIT^2``, leave the squared standard error of normal
 #: data a relative spread above :data:`TAIL_LIMIT`; flagged when also under half the calls.
 CONCENTRATED = 2.0 / TAIL_LIMIT ** 2
@@ -68,17 +68,18 @@ def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, torch.Tensor, to
         return out, out[0].clone(), out[0].clone()
     mean_r, var_r = stats.tail_spread()
     var = stats.m2 / stats.count
+    live = (var > 0) & torch.isfinite(var) & torch.isfinite(stats.mean)
     mean_spread, second_spread = stats.call_spread()
     spread = torch.max(mean_spread / (stats.mean * stats.mean + var).sqrt(), second_spread / var)
     lag_mean, lag_var, trend_mean, trend_var = stats.order_stats()
     k, k_eff = stats.calls, stats.effective_calls()
     inf = torch.full_like(var, float("inf"))
-    out[0] = torch.where(var > 0, torch.where(spread > 0, REPEATED / spread, inf), out[0])
-    out[1] = torch.where(var > 0, out[1] + min(CONCENTRATED, k / 2.0) / k_eff, out[1])
+    out[0] = torch.where(spread > 0, REPEATED / spread, inf)
+    out[1] = min(CONCENTRATED, k / 2.0) / k_eff
     out[2] = torch.max(mean_r, var_r) / TAIL_LIMIT
     out[3] = torch.max(trend_mean.abs(), trend_var.abs()) / DRIFT_Z
     out[4] = torch.max(lag_mean, lag_var) / (SERIAL + SERIAL_Z / math.sqrt(k))
-    return out, mean_r, var_r
+    return torch.where(live, out, torch.zeros_like(out)), mean_r, var_r
 
 
 def flags(stats: PopulationStats) -> Dict[str, List[int]]:

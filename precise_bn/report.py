@@ -240,21 +240,22 @@ class BNReport:
 
     def summary(self) -> str:
         """The first line of the table: what was read, why it stopped, the worst standard errors,
-        and how many channels' standard errors cannot be trusted, and why."""
+        and how many channels' standard errors cannot be trusted, and why (what kept ``rtol``
+        from stopping the pass, when it was given)."""
         count = len(self.layers)
         flagged = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
         why = ", ".join("{}: {}".format(label, sum(len(layer.se_reasons.get(reason, ())) for layer in self.layers))
                         for reason, (label, _) in FLAGS.items()
                         if any(reason in layer.se_reasons for layer in self.layers))
+        untrusted = "; standard errors not trusted in {} channel{} of {} layer{} ({}){}".format(
+            sum(flagged), "" if sum(flagged) == 1 else "s", len(flagged), "" if len(flagged) == 1 else "s", why,
+            ", so rtol={:g} could not stop the pass".format(self.rtol) if self.rtol is not None else "")
         return ("precise-bn: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}, {} estimator, "
                 "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
             count, "" if count == 1 else "s", self.batches, "" if self.batches == 1 else "es", self.samples,
             self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
-            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")),
-            "; standard errors not trusted in {} channel{} of {} layer{} ({})".format(
-                sum(flagged), "" if sum(flagged) == 1 else "s", len(flagged), "" if len(flagged) == 1 else "s", why)
-            if flagged else "")
+            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")), untrusted if flagged else "")
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])

@@ -26,14 +26,6 @@ CHANNELS = 8
 ORDER = ("repeated", "concentrated", "drift", "correlated")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def samples():
     return calibration.population("normal", 40_000, CHANNELS)
@@ -72,10 +64,9 @@ def _merged(counts, means, variances, block=64):
 
 
 def test_a_repeated_batch_is_flagged_and_rtol_reads_on_saying_why(samples):
-    """Independent batches whose elements vary cannot have identical means and variances: the
-    calls' spread is below what their float32 statistics resolve, so every channel is flagged,
-    and ``rtol`` (met at 16 batches before, every standard error 0) reads the whole data and says
-    why."""
+    """Independent batches whose elements vary cannot have the same means and variances bit for
+    bit: every channel is flagged, and ``rtol`` (met at 16 batches before, every standard error 0)
+    reads the whole data and says why."""
     stream, _ = calibration.order_stream("repeated batch", samples, 200, 0)
     report, said = _pass(stream, rtol=0.01)
     layer = report.layers[0]
@@ -83,7 +74,9 @@ def test_a_repeated_batch_is_flagged_and_rtol_reads_on_saying_why(samples):
     assert report.stop == "data" and report.batches == 200
     assert layer.se_reasons == {"repeated": list(range(CHANNELS))} and layer.se_untrusted == list(range(CHANNELS))
     assert "rtol=0.01 not reached after 200 batches" in said and "the same batch read again and again" in said
-    assert "standard errors not trusted in 8 channels of 1 layer (the same batch repeated: 8)" in report.summary()
+    assert ("stopped: the data ran out; worst relative standard error: mean 0, var 0; standard errors not trusted in "
+            "8 channels of 1 layer (the same batch repeated: 8), so rtol=0.01 could not stop the pass"
+            in report.summary()), report.summary()
     stats = _merged(*_calls(stream[:40]))
     assert float(stats.call_spread()[0].max()) == 0.0 and float(stats.call_spread()[1].max()) < 1e-15
 
@@ -192,11 +185,13 @@ def test_the_flags_do_not_move_an_rtol_stop_on_independent_batches(monkeypatch):
     assert stops["with"] == stops["without"], stops
 
 
-def test_a_pattern_shared_by_every_sample_is_not_taken_for_a_repeated_batch():
-    """A zero-padded convolution of a channel whose mean is 1e4 times its std: borders and interior
-    differ by a pattern that every sample shares, which dominates the variance of each batch, so
-    that the batch means spread far less than independent elements of that variance would. They
-    still differ beyond float32's resolution, so the channel is not flagged as a repeated batch."""
+def test_batches_that_spread_little_by_construction_are_not_taken_for_a_repeated_batch():
+    """Two layers whose calls spread far less than independent elements of their variance would,
+    legitimately. A zero-padded convolution of a channel whose mean is 1e4 times its std: borders
+    and interior differ by a pattern that every sample shares, which dominates each batch's
+    variance. A BatchNorm right after another, which normalised each batch in the pass: every
+    call's mean is the first layer's bias and its variance nearly its weight squared. Neither is
+    the same batch bit for bit, so neither is flagged, and ``rtol`` stops."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4))
     gen = torch.Generator().manual_seed(0)
@@ -210,6 +205,11 @@ def test_a_pattern_shared_by_every_sample_is_not_taken_for_a_repeated_batch():
     assert float(mean_spread.min()) > 10 * precision.REPEATED
     assert "repeated" not in report.layers[0].se_reasons and "cannot be trusted" not in " ".join(
         str(w.message) for w in caught)
+    chained = nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4))
+    batches = [torch.randn(8, 4, 5, 5, generator=gen) * 100 + 3 for _ in range(64)]
+    report = recompute(chained, batches, progress=False, rtol=0.05)
+    second = report.layers[1]
+    assert report.stop == "rtol" and not second.se_untrusted and float(second.var_rel_stderr) < 1e-5
 
 
 def _calls_of(conv, batches):
