@@ -112,8 +112,11 @@ def draws(x: torch.Tensor, batch: int, count: int, **options) -> List[BNReport]:
 def shares(outcomes: Sequence[Tuple[LayerReport, List[torch.Tensor]]]) -> Dict[str, float]:
     """Over ``(layer, (mean, var))`` pairs, each a pass and its population: the shares of channels
     whose variance and mean are within two stated standard errors of the population's, marked,
-    and each covered or marked."""
+    and each covered or marked; and how many channels, of how many, were marked for what the
+    loader did (any reason but heavy tails)."""
     covered, flagged, mean_covered = [], [], []
+    loader = sum(len(channels) for layer, _ in outcomes for reason, channels in layer.se_reasons.items()
+                 if reason != "tails")
     for layer, (mean, var) in outcomes:
         covered.append((layer.new_var - var).abs() <= 2 * layer.var_stderr)
         mean_covered.append((layer.new_mean - mean).abs() <= 2 * layer.mean_stderr)
@@ -124,7 +127,8 @@ def shares(outcomes: Sequence[Tuple[LayerReport, List[torch.Tensor]]]) -> Dict[s
     return {"var_cover": float(cov.double().mean()), "mean_cover": float(mcov.double().mean()),
             "flagged": float(flag.double().mean()),
             "cover_or_flag": float((cov | flag).double().mean()),
-            "mean_cover_or_flag": float((mcov | flag).double().mean())}
+            "mean_cover_or_flag": float((mcov | flag).double().mean()),
+            "loader_marks": loader, "channels": flag.numel()}
 
 
 def fixed_budget(x: torch.Tensor, batch: int, batches: int, count: int) -> Dict[str, float]:
@@ -319,6 +323,10 @@ def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, cur
         "`rtol={:g}` and a budget of {} batches; columns as above.".format(
             OFFSET, DRIFT, VAR_DRIFT, cfg.samples // 32, cfg.draws, cfg.rtol_draws, cfg.rtol, cfg.samples // 32),
         common.markdown_table(order_headers + stop_headers, order_rows),
+        "Independent batches, of equal and alternating sizes, at both budgets: {} of {} channels marked for what "
+        "the loader did (any reason but heavy tails).".format(
+            sum(order[kind, b]["loader_marks"] for kind in ORDER_KINDS[:2] for b in cfg.order_batches),
+            sum(order[kind, b]["channels"] for kind in ORDER_KINDS[:2] for b in cfg.order_batches)),
         "Mean and variance both covered, or marked, against the batches read ({} draws each; "
         "`calibration.png`):".format(cfg.curve_draws),
         common.markdown_table(["loader"] + ["{} batches".format(k) for k in cfg.reads], curve_rows),

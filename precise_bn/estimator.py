@@ -26,8 +26,8 @@ Standard errors, from the spread between calls. Treat the calls as independent d
 are. The written mean ``mu = sum n_i m_i / N`` is a ratio estimator; linearised (the delta
 method), its variance is estimated by ``sum n_i^2 (m_i - mu)^2 / (N^2 - sum n_i^2)`` over the k
 calls: ``k/(k-1) * sum n_i^2 (m_i - mu)^2 / N^2`` for equal counts, and unbiased whatever the
-counts when elements are independent (``k/(k-1)`` would be 4.7 times too small with 31 calls of
-8 elements and one of 2,048). The written variance is ``s2 = sum n_i y_i / N`` with ``y_i = v_i + (m_i - mu)^2``; its
+counts when elements are independent (``k/(k-1)`` makes the standard error 2.2 times too small
+with 31 calls of 8 elements and one of 2,048). The written variance is ``s2 = sum n_i y_i / N`` with ``y_i = v_i + (m_i - mu)^2``; its
 derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
 taken as known and the same formula applies to ``y_i - s2``. Both need, per channel, the
 ``n_i^2``-weighted means and co-moments of ``u_i = (m_i - c, v_i, (m_i - c)^2)``, kept around a

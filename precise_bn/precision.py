@@ -187,11 +187,33 @@ def _named(names: Sequence[str], reasons: Sequence[Dict[str, List[int]]], skip: 
     return "; ".join(parts)
 
 
+def _worst(rtol: float, stats: Sequence[PopulationStats], names: Sequence[str], batches: int, samples: int) -> str:
+    """The layer and channel furthest from ``rtol`` (mean, variance or a dead channel), why, and
+    about how many more batches the standard errors suggest; empty when every channel is within."""
+    worst = (0.0, "", 0, 0)
+    for name, layer in zip(names, stats):
+        ratios = rtol_ratios(layer, rtol, samples)[:3]
+        if ratios.numel() and float(ratios.max()) > worst[0]:
+            flat = int(ratios.argmax())
+            worst = (float(ratios.max()), name, flat // layer.num_channels, flat % layer.num_channels)
+    ratio, name, condition, channel = worst
+    if ratio <= 1.0:
+        return ""
+    why = {
+        "mean": "the mean's 95% error bound (t x standard error) is {:.3g} times rtol, in units of the std",
+        "variance": "the variance's 95% error bound (t x standard error) is {:.3g} times rtol",
+        "dead": "its variance is 0 so far, and {:.3g} times the samples read are needed to rule out a rare activity",
+    }[RTOL_CONDITIONS[condition]].format(ratio * ratio if RTOL_CONDITIONS[condition] == "dead" else ratio)
+    more = "" if math.isinf(ratio) else "; about {} more batches would reach it".format(
+        max(1, math.ceil(batches * (ratio * ratio - 1.0))))
+    return "layer {!r}, channel {}: {}{}".format(name, channel, why, more)
+
+
 def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Sequence[str], batches: int,
                       samples: int, stop: str) -> None:
     """After a pass (``stop``, having read ``batches`` and ``samples`` over all ranks): a
     :class:`PreciseBNWarning` saying why, when ``rtol`` was given and not reached: the flagged
-    channels (:data:`FLAGS`), else the worst layer and channel and about how many more batches
+    channels (:data:`FLAGS`), and the worst layer and channel with about how many more batches
     the standard errors suggest. Without ``rtol``, one naming the channels flagged for what the
     loader did (every flag but heavy tails, which the report counts)."""
     if opts.rtol is None:
@@ -205,25 +227,10 @@ def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Se
         warn("rtol={:g} was not checked: {} batches were read, fewer than min_batches={}".format(
             opts.rtol, batches, opts.min_batches))
         return
-    head = "rtol={:g} not reached after {} batches (stopped: {})".format(opts.rtol, batches, stop)
     named = _named(names, [flags(layer) for layer in stats])
-    if named:
-        warn("{}: rtol never stops while standard errors cannot be trusted, and they cannot {}".format(head, named))
-        return
-    worst = (0.0, "", 0, 0)
-    for name, layer in zip(names, stats):
-        ratios = rtol_ratios(layer, opts.rtol, samples)[:3]
-        if ratios.numel() and float(ratios.max()) > worst[0]:
-            flat = int(ratios.argmax())
-            worst = (float(ratios.max()), name, flat // layer.num_channels, flat % layer.num_channels)
-    ratio, name, condition, channel = worst
-    if ratio <= 1.0:
-        return
-    why = {
-        "mean": "the mean's 95% error bound (t x standard error) is {:.3g} times rtol, in units of the std",
-        "variance": "the variance's 95% error bound (t x standard error) is {:.3g} times rtol",
-        "dead": "its variance is 0 so far, and {:.3g} times the samples read are needed to rule out a rare activity",
-    }[RTOL_CONDITIONS[condition]].format(ratio * ratio if RTOL_CONDITIONS[condition] == "dead" else ratio)
-    more = "" if math.isinf(ratio) else "; about {} more batches would reach it".format(
-        max(1, math.ceil(batches * (ratio * ratio - 1.0))))
-    warn("{}: layer {!r}, channel {}: {}{}".format(head, name, channel, why, more))
+    worst = _worst(opts.rtol, stats, names, batches, samples)
+    if named or worst:
+        warn("rtol={:g} not reached after {} batches (stopped: {}): {}{}{}".format(
+            opts.rtol, batches, stop,
+            "rtol never stops while standard errors cannot be trusted, and they cannot " + named if named else "",
+            "; besides, " if named and worst else "", worst))

@@ -200,9 +200,13 @@ def test_batches_that_spread_little_by_construction_are_not_taken_for_a_repeated
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = recompute(model, batches, progress=False)
-    stats = _merged(*_calls_of(model[0], batches))
+    counts, means, variances = _calls_of(model[0], batches)
+    stats = _merged(counts, means, variances)
     mean_spread = stats.call_spread()[0] / (stats.mean.square() + stats.m2 / stats.count).sqrt()
-    assert float(mean_spread.min()) > 10 * precision.REPEATED
+    assert float(mean_spread.min()) > 1e3 * precision.REPEATED
+    total, squares = sum(counts), sum(n * n for n in counts)  # what independent elements would spread
+    independent = stats.m2 / total * (total - squares / total)
+    assert float((stats.call_spread()[0] ** 2 * squares / independent).max()) < 1e-5
     assert "repeated" not in report.layers[0].se_reasons and "cannot be trusted" not in " ".join(
         str(w.message) for w in caught)
     chained = nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4))
