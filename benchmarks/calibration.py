@@ -286,7 +286,8 @@ def _cells(r: Dict[str, float]) -> List[str]:
 
 def _stop_cells(s: Dict[str, float]) -> List[str]:
     return ["{:.0%}".format(s["stopped"]), "{:.0f}".format(s["batches"]) if s["stopped"] else "-",
-            "{:.1%}".format(s["beyond"]) if s["stopped"] else "-", "{:.0%}".format(s["marked"]) if s["stopped"] else "-"]
+            "{:.1%}".format(s["beyond"]) if s["stopped"] else "-",
+            "{:.0%}".format(s["marked"]) if s["stopped"] else "-"]
 
 
 def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, curves: Dict,
@@ -297,7 +298,8 @@ def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, cur
     for batch, batches in cfg.fixed:
         headers += ["{}x{}: var covered".format(batches, batch), "mean covered", "marked", "var covered or marked",
                     "mean covered or marked"]
-    stop_headers = ["rtol={:g}: stopped on it".format(cfg.rtol), "batches", "channels beyond rtol", "marked at the stop"]
+    stop_headers = ["rtol={:g}: stopped on it".format(cfg.rtol), "batches", "channels beyond rtol",
+                    "marked at the stop"]
     order_rows = [[kind] + [c for batches in cfg.order_batches for c in _cells(order[kind, batches])]
                   + _stop_cells(stops[kind]) for kind in ORDER_KINDS]
     order_headers = ["loader"]

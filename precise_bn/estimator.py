@@ -27,8 +27,8 @@ are. The written mean ``mu = sum n_i m_i / N`` is a ratio estimator; linearised 
 method), its variance is estimated by ``sum n_i^2 (m_i - mu)^2 / (N^2 - sum n_i^2)`` over the k
 calls: ``k/(k-1) * sum n_i^2 (m_i - mu)^2 / N^2`` for equal counts, and unbiased whatever the
 counts when elements are independent (``k/(k-1)`` makes the standard error 2.2 times too small
-with 31 calls of 8 elements and one of 2,048). The written variance is ``s2 = sum n_i y_i / N`` with ``y_i = v_i + (m_i - mu)^2``; its
-derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
+with 31 calls of 8 elements and one of 2,048). The written variance is ``s2 = sum n_i y_i / N``
+with ``y_i = v_i + (m_i - mu)^2``; its derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
 taken as known and the same formula applies to ``y_i - s2``. Both need, per channel, the
 ``n_i^2``-weighted means and co-moments of ``u_i = (m_i - c, v_i, (m_i - c)^2)``, kept around a
 per-channel centre ``c`` (the first call's mean, so nothing large cancels even at
@@ -78,6 +78,8 @@ from . import order as order_sums
 from .errors import NonFiniteStatsError
 from .tails import POWERS, affine, power_sums, spread_of_squares
 
+#: ``sum e_i^2`` of the mean and of the variance, per channel (:meth:`PopulationStats.spreads`).
+Spreads = Tuple[torch.Tensor, torch.Tensor]
 # The six entries of a symmetric 3x3 co-moment matrix, in storage order.
 _PAIRS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2))
 #: Per-channel rows of a packed :meth:`PopulationStats.state`: mean, M2, centre, u (3), cov (6),
@@ -297,7 +299,8 @@ class PopulationStats:
     def _totals(group: CallGroup, center: torch.Tensor) -> torch.Tensor:
         """``sum z_i`` of a group's calls around ``center`` (:mod:`precise_bn.order`)."""
         d = group.mean - center
-        return torch.stack([torch.full_like(d, float(group.count)), d * group.count, group.m2 + d * d * group.count])
+        count = float(group.count)
+        return torch.stack([torch.full_like(d, count), d * count, group.m2 + d * d * count])
 
     def merge(self, other: "PopulationStats") -> None:
         """Merge another estimator of the same layer."""
@@ -332,14 +335,16 @@ class PopulationStats:
         calls hold elements."""
         return tuple(torch.full_like(self.mean, float("nan")) for _ in range(count))
 
-    def stderr(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel standard errors of :meth:`finalize`'s mean and variance (float64).
+    def stderr(self, unbiased: bool = False,
+               spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel standard errors of :meth:`finalize`'s mean and variance (float64), from
+        :meth:`spreads` (computed here unless given).
 
         NaN until two calls hold elements: one call says nothing about the spread between calls.
         """
         if self.count ** 2 <= self.weight:
             return self._undefined()
-        spread_mean, spread_var = self._spreads()
+        spread_mean, spread_var = spreads or self.spreads()
         factor = 1.0 / float(self.count ** 2 - self.weight)
         scale = self.count / self._denominator(unbiased)
         return (spread_mean * factor).clamp_(min=0).sqrt_(), (spread_var * factor).clamp_(min=0).sqrt_() * scale
@@ -348,40 +353,31 @@ class PopulationStats:
         """``N^2 / sum n_i^2``: the number of calls of equal counts that would weigh the same (0 empty)."""
         return self.count ** 2 / self.weight if self.weight else 0.0
 
-    def call_spread(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per channel, the count²-weighted standard deviation between calls of their means and of
-        their second moments around the written mean, ``sqrt(sum e_i^2 / sum n_i^2)`` with the
-        ``e_i`` of the standard errors: 0 when every call is the same batch; NaN until two calls
-        hold elements."""
-        if self.count ** 2 <= self.weight:
-            return self._undefined()
-        spread_mean, spread_var = self._spreads()
-        return (spread_mean / float(self.weight)).sqrt_(), (spread_var / float(self.weight)).sqrt_()
-
-    def order_stats(self) -> Tuple[torch.Tensor, ...]:
+    def order_stats(self, spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, ...]:
         """Per channel, for the mean then the variance: the lag-1 correlation of the deviations
         behind the standard errors over consecutive calls, and the z-score of their trend along
-        the calls (``docs/precision.md``); 0 for a channel without spread, NaN until two calls
-        hold elements."""
+        the calls (``docs/precision.md``), from :meth:`spreads` (computed here unless given); 0
+        for a channel without spread, NaN until two calls hold elements."""
         if self.count ** 2 <= self.weight:
             return self._undefined(4)
         n = float(self.count)
         d = self.mean - self.center
         one, zero = torch.ones_like(d), torch.zeros_like(d)
+        b = torch.stack([torch.stack([-d, one, zero]), torch.stack([d * d - self.m2 / n, -2.0 * d, one])])
         lag = self.order[order_sums.LAG].view(3, 3, -1)
         trend = self.order[order_sums.TREND]
+        serial = ((b.unsqueeze(2) * lag).sum(1) * b).sum(1)  # b^T L b, for the mean and the variance
+        drift = (b * trend).sum(1)
+        spread = torch.stack(spreads or self.spreads())
         time_var = (self.order[order_sums.TIME2] - trend[0] * trend[0] / n).clamp_(min=0)
-        out = []
-        for b, spread in zip(((-d, one, zero), (d * d - self.m2 / n, -2.0 * d, one)), self._spreads()):
-            serial = sum(b[i] * b[j] * lag[i, j] for i in range(3) for j in range(3))
-            drift = sum(b[i] * trend[i] for i in range(3))
-            noise = (time_var * spread / (n - self.weight / n)).sqrt_()
-            out.append(torch.where(spread > 0, serial / spread, zero))
-            out.append(torch.where((spread > 0) & (noise > 0), drift / noise, zero))
-        return out[0], out[2], out[1], out[3]
+        noise = (time_var * spread / (n - self.weight / n)).sqrt_()
+        lagged = torch.where(spread > 0, serial / spread, torch.zeros_like(spread))
+        trended = torch.where((spread > 0) & (noise > 0), drift / noise, torch.zeros_like(spread))
+        return lagged[0], lagged[1], trended[0], trended[1]
 
-    def _spreads(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel."""
+    def spreads(self) -> Spreads:
+        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel:
+        what :meth:`stderr`, :meth:`tail_spread` and :meth:`order_stats` rest on."""
         w = float(self.weight)
         shift = self.mean - self.center
         var = self.m2 / float(self.count)
@@ -396,14 +392,14 @@ class PopulationStats:
         spread_mean = self.cov[0] + w * (self.u[0] - shift).square()
         return spread_mean.clamp_(min=0), spread_var.clamp_(min=0)
 
-    def tail_spread(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def tail_spread(self, spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per channel, ``r`` of the squared standard errors of the mean and of the variance
         (their relative standard deviation; see the module docstring): 0.35 at k = 16 calls of
         normal data. 0 for a channel without spread, NaN until two calls hold elements."""
         if self.count ** 2 <= self.weight:
             return self._undefined()
         return spread_of_squares(self.sums, self.mean - self.center, self.m2 / float(self.count),
-                                 self._spreads(), self.calls)
+                                 spreads or self.spreads(), self.calls)
 
     def _raise_if_non_finite(self) -> None:
         bad = ~(torch.isfinite(self.mean) & torch.isfinite(self.m2))

@@ -44,10 +44,11 @@ FLAGS = {
 #: (:meth:`~precise_bn.estimator.PopulationStats.tail_spread`) is not trusted: it may itself be
 #: off by a quarter or more.
 TAIL_LIMIT = 0.5
-#: Calls whose means and second moments differ by less than this relative to the channel's
-#: magnitude (:meth:`~precise_bn.estimator.PopulationStats.call_spread`) are the same batch read
-#: again, bit for bit: the float64 merge's own rounding. A looser test takes for repeats what
-#: legitimately spreads little (``docs/precision.md``).
+#: Calls whose means and second moments spread less than this relative to the channel's
+#: magnitude (their count²-weighted standard deviation, the standard error times
+#: ``sqrt((N^2 - sum n^2) / sum n^2)``) are the same batch read again, bit for bit: the float64
+#: merge's own rounding. A looser test takes for repeats what legitimately spreads little
+#: (``docs/precision.md``).
 REPEATED = 1e-12
 #: Fewer effective calls than this, ``2 / TAIL_LIMIT^2``, leave the squared standard error of normal
 #: data a relative spread above :data:`TAIL_LIMIT`; flagged when also under half the calls.
@@ -60,18 +61,19 @@ DRIFT_Z = 5.0
 SERIAL, SERIAL_Z = 0.2, 3.5
 
 
-def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ratios of :data:`FLAGS` (rows in that order, each above 1 when it holds) and the tail
-    spreads of the mean and the variance; zeros until two calls hold elements."""
+def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
+    """The ratios of :data:`FLAGS` (rows in that order, each above 1 when it holds), then the
+    standard errors and the tail spreads of the mean and the variance; needs two calls holding
+    elements."""
     out = torch.zeros(len(FLAGS), stats.num_channels, dtype=torch.float64, device=stats.device)
-    if stats.count ** 2 <= stats.weight:
-        return out, out[0].clone(), out[0].clone()
-    mean_r, var_r = stats.tail_spread()
+    spreads = stats.spreads()
+    mean_se, var_se = stats.stderr(spreads=spreads)
+    mean_r, var_r = stats.tail_spread(spreads)
     var = stats.m2 / stats.count
     live = (var > 0) & torch.isfinite(var) & torch.isfinite(stats.mean)
-    mean_spread, second_spread = stats.call_spread()
-    spread = torch.max(mean_spread / (stats.mean * stats.mean + var).sqrt(), second_spread / var)
-    lag_mean, lag_var, trend_mean, trend_var = stats.order_stats()
+    calls = math.sqrt((stats.count ** 2 - stats.weight) / stats.weight)  # the calls' spread over the standard error
+    spread = torch.max(mean_se * calls / (stats.mean * stats.mean + var).sqrt(), var_se * calls / var)
+    lag_mean, lag_var, trend_mean, trend_var = stats.order_stats(spreads)
     k, k_eff = stats.calls, stats.effective_calls()
     inf = torch.full_like(var, float("inf"))
     out[0] = torch.where(spread > 0, REPEATED / spread, inf)
@@ -79,15 +81,17 @@ def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, torch.Tensor, to
     out[2] = torch.max(mean_r, var_r) / TAIL_LIMIT
     out[3] = torch.max(trend_mean.abs(), trend_var.abs()) / DRIFT_Z
     out[4] = torch.max(lag_mean, lag_var) / (SERIAL + SERIAL_Z / math.sqrt(k))
-    return torch.where(live, out, torch.zeros_like(out)), mean_r, var_r
+    return torch.where(live, out, torch.zeros_like(out)), mean_se, var_se, mean_r, var_r
 
 
 def flags(stats: PopulationStats) -> Dict[str, List[int]]:
     """The channels whose standard errors cannot be trusted, by the first reason of :data:`FLAGS`
     that holds (reasons without a channel left out)."""
+    out: Dict[str, List[int]] = {}
+    if stats.count ** 2 <= stats.weight:
+        return out
     ratios = _diagnostics(stats)[0]
     free = torch.ones(stats.num_channels, dtype=torch.bool, device=stats.device)
-    out = {}
     for reason, row in zip(FLAGS, ratios):
         hit = free & (row > 1.0)
         if bool(hit.any()):
@@ -134,8 +138,8 @@ def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tens
         return out.fill_(float("inf"))
     var = stats.m2 / stats.count
     live = var > 0
-    mean_se, var_se = stats.stderr()  # relative to the variance, the same with Bessel's correction
-    out[3:], mean_r, var_r = _diagnostics(stats)
+    # The standard errors relative to the variance: the same with Bessel's correction.
+    out[3:], mean_se, var_se, mean_r, var_r = _diagnostics(stats)
     scale = t975(stats.calls - 1) / rtol
     out[0] = torch.where(live, mean_se * (1.0 + 0.5 * mean_r) * scale / var.sqrt(), out[0])
     out[1] = torch.where(live, var_se * (1.0 + 0.5 * var_r) * scale / var, out[1])
@@ -209,15 +213,15 @@ def _worst(rtol: float, stats: Sequence[PopulationStats], names: Sequence[str], 
     return "layer {!r}, channel {}: {}{}".format(name, channel, why, more)
 
 
-def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Sequence[str], batches: int,
-                      samples: int, stop: str) -> None:
-    """After a pass (``stop``, having read ``batches`` and ``samples`` over all ranks): a
-    :class:`PreciseBNWarning` saying why, when ``rtol`` was given and not reached: the flagged
-    channels (:data:`FLAGS`), and the worst layer and channel with about how many more batches
-    the standard errors suggest. Without ``rtol``, one naming the channels flagged for what the
-    loader did (every flag but heavy tails, which the report counts)."""
+def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Sequence[str],
+                      reasons: Sequence[Dict[str, List[int]]], batches: int, samples: int, stop: str) -> None:
+    """After a pass (``stop``, having read ``batches`` and ``samples`` over all ranks; each
+    layer's :func:`flags` in ``reasons``): a :class:`PreciseBNWarning` saying why, when ``rtol``
+    was given and not reached: the flagged channels, and the worst layer and channel with about
+    how many more batches the standard errors suggest. Without ``rtol``, one naming the channels
+    flagged for what the loader did (every flag but heavy tails, which the report counts)."""
     if opts.rtol is None:
-        named = _named(names, [flags(layer) for layer in stats], skip=("tails",))
+        named = _named(names, reasons, skip=("tails",))
         if named:
             warn("the standard errors cannot be trusted {} (the report's se_reasons lists them)".format(named))
         return
@@ -227,7 +231,7 @@ def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Se
         warn("rtol={:g} was not checked: {} batches were read, fewer than min_batches={}".format(
             opts.rtol, batches, opts.min_batches))
         return
-    named = _named(names, [flags(layer) for layer in stats])
+    named = _named(names, reasons)
     worst = _worst(opts.rtol, stats, names, batches, samples)
     if named or worst:
         warn("rtol={:g} not reached after {} batches (stopped: {}): {}{}{}".format(

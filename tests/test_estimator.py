@@ -99,8 +99,8 @@ def _brute_force(chunks):
     """Per-call moments kept whole, in order: the ratio-estimator standard errors written out
     directly (``sum e^2 / (N^2 - sum n^2)``, unbiased for independent elements whatever the
     counts), the relative spread of their squares, ``sqrt(sum e^4 / (sum e^2)^2 - 1/k)``, the
-    calls' spread ``sqrt(sum e^2 / sum n^2)``, the lag-1 correlation of the ``e`` and the z-score
-    of their trend along the calls (``docs/precision.md``)."""
+    lag-1 correlation of the ``e`` and the z-score of their trend along the calls
+    (``docs/precision.md``)."""
     n = torch.tensor([c.shape[1] for c in chunks], dtype=torch.float64)
     total, k = n.sum(), len(chunks)
     means = torch.stack([c.mean(1) for c in chunks])
@@ -116,7 +116,6 @@ def _brute_force(chunks):
         square = (e ** 2).sum(0)
         out[key] = {"stderr": (square / (total ** 2 - (n * n).sum())).sqrt(),
                     "tail": ((e ** 4).sum(0) / square ** 2 - 1.0 / k).sqrt(),
-                    "spread": (square / (n * n).sum()).sqrt(),
                     "lag": (e[:-1] * e[1:]).sum(0) / square,
                     "trend": (t[:, None] * e).sum(0) / (time_var * square / least).sqrt()}
     return out
@@ -151,10 +150,8 @@ def test_stderr_and_diagnostics_match_per_call_formulas_through_blocks_and_merge
     whole.merge(PopulationStats.from_state(halves[1].state(), name="a"))
     ref = _brute_force(order[0] + order[1])
     lag_mean, lag_var, trend_mean, trend_var = whole.order_stats()
-    got = {"mean": {"stderr": whole.stderr()[0], "tail": whole.tail_spread()[0], "spread": whole.call_spread()[0],
-                    "lag": lag_mean, "trend": trend_mean},
-           "var": {"stderr": whole.stderr()[1], "tail": whole.tail_spread()[1], "spread": whole.call_spread()[1],
-                   "lag": lag_var, "trend": trend_var}}
+    got = {"mean": {"stderr": whole.stderr()[0], "tail": whole.tail_spread()[0], "lag": lag_mean, "trend": trend_mean},
+           "var": {"stderr": whole.stderr()[1], "tail": whole.tail_spread()[1], "lag": lag_var, "trend": trend_var}}
     for key in ("mean", "var"):
         for name, value in got[key].items():
             torch.testing.assert_close(value, ref[key][name], rtol=1e-8, atol=0, msg=lambda m: key + name + m)

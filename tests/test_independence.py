@@ -42,7 +42,8 @@ def _pass(stream, **options):
 def _covered_or_flagged(report, truth):
     """Per channel: the mean and the variance within two standard errors, or the channel flagged."""
     layer, (mean, var) = report.layers[0], truth
-    hit = ((layer.new_mean - mean).abs() <= 2 * layer.mean_stderr) & ((layer.new_var - var).abs() <= 2 * layer.var_stderr)
+    hit = (layer.new_mean - mean).abs() <= 2 * layer.mean_stderr
+    hit &= (layer.new_var - var).abs() <= 2 * layer.var_stderr
     hit[layer.se_untrusted] = True
     return hit
 
@@ -52,6 +53,13 @@ def _calls(stream):
     rows = [b.double().transpose(0, 1).reshape(CHANNELS, -1) for b in stream]
     return ([r.shape[1] for r in rows], torch.stack([r.mean(1) for r in rows]),
             torch.stack([r.var(1, unbiased=False) for r in rows]))
+
+
+def _call_spread(stats):
+    """The count²-weighted standard deviation between calls of their means and of their second
+    moments: the standard errors times ``sqrt((N^2 - sum n^2) / sum n^2)``."""
+    calls = ((stats.count ** 2 - stats.weight) / stats.weight) ** 0.5
+    return [se * calls for se in stats.stderr()]
 
 
 def _merged(counts, means, variances, block=64):
@@ -78,7 +86,8 @@ def test_a_repeated_batch_is_flagged_and_rtol_reads_on_saying_why(samples):
             "8 channels of 1 layer (the same batch repeated: 8), so rtol=0.01 could not stop the pass"
             in report.summary()), report.summary()
     stats = _merged(*_calls(stream[:40]))
-    assert float(stats.call_spread()[0].max()) == 0.0 and float(stats.call_spread()[1].max()) < 1e-15
+    spread = _call_spread(stats)
+    assert float(spread[0].max()) == 0.0 and float((spread[1] / stats.m2 * stats.count).max()) < 1e-15
 
 
 def test_ar1_batch_offsets_at_09_are_flagged_as_correlated(samples):
@@ -202,11 +211,11 @@ def test_batches_that_spread_little_by_construction_are_not_taken_for_a_repeated
         report = recompute(model, batches, progress=False)
     counts, means, variances = _calls_of(model[0], batches)
     stats = _merged(counts, means, variances)
-    mean_spread = stats.call_spread()[0] / (stats.mean.square() + stats.m2 / stats.count).sqrt()
+    mean_spread = _call_spread(stats)[0] / (stats.mean.square() + stats.m2 / stats.count).sqrt()
     assert float(mean_spread.min()) > 1e3 * precision.REPEATED
     total, squares = sum(counts), sum(n * n for n in counts)  # what independent elements would spread
     independent = stats.m2 / total * (total - squares / total)
-    assert float((stats.call_spread()[0] ** 2 * squares / independent).max()) < 1e-5
+    assert float((_call_spread(stats)[0] ** 2 * squares / independent).max()) < 1e-5
     assert "repeated" not in report.layers[0].se_reasons and "cannot be trusted" not in " ".join(
         str(w.message) for w in caught)
     chained = nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4))
