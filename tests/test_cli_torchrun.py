@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from cli_factories import small_net, trained_net
 from cli_helpers import REPO, TESTS, TRUST, load
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def _torchrun(*args, timeout):
@@ -42,7 +42,7 @@ def test_two_ranks_merge_exactly_and_rank0_writes(tmp_path):
     written = load(out)
     assert written["precise_bn"]["world_size"] == 2 and written["precise_bn"]["iterations"] == 6
     for name, (mean, var, _) in float64_reference(net, used).items():
-        assert_close_default(written["model"][name + ".running_mean"], written["model"][name + ".running_var"],
+        assert_close_exact(written["model"][name + ".running_mean"], written["model"][name + ".running_var"],
                              mean, var, name)
 
 
