@@ -12,6 +12,7 @@ works, eager float64 operators give the same numbers within float64 rounding, sl
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -30,7 +31,7 @@ COMPILE_AFTER = 1 << 27
 #: Float64 values an eager chunk forms at a time, so that it is summed while still in cache.
 CHUNK = 1 << 15
 
-Key = Tuple[str, torch.dtype, torch.dtype, str]
+Key = Tuple[str, torch.dtype, torch.dtype, str, bool]
 Sums = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -125,6 +126,13 @@ def measure(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return stats
 
 
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device: what it says is the CUDA flag
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
 def _copy_of(fn: Callable[..., object], tag: str) -> Callable[..., object]:
     """``fn`` with a code object of its own: torch.compile keeps its compiled variants on the
     code object, so each variant compiled here never shares a cache another thread is using."""
@@ -139,30 +147,52 @@ def _policy() -> str:
     return value
 
 
+class _State:
+    """The calling thread's state that compiled code depends on (grad mode, autocast, threads,
+    ...): recorded where a form is first seen, reproduced in the compiling thread, and checked
+    before each call, so that compiled code only ever runs in the state it was made for."""
+
+    def __init__(self, device: torch.device):
+        self.guard = torch._C._dynamo.guards.GlobalStateGuard()
+        self.grad = torch.is_grad_enabled()
+        self.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                         for kind in {"cpu", device.type}}
+
+    def matches(self) -> bool:
+        return not torch._C._is_torch_function_mode_enabled() and self.guard.check()
+
+    def entered(self, stack: "contextlib.ExitStack") -> bool:
+        """Enter the recorded state on this thread; whether it now matches."""
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        for kind, (enabled, dtype) in self.autocast.items():
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        return self.matches()
+
+
 class Kernels:
     """The process's compiled sums, one per (form, input dtype, shift dtype, device type),
     compiled in one background thread; :meth:`sums` uses them once ready, eager operators before.
 
     The thread starts once the process has measured :data:`COMPILE_AFTER` elements eagerly (or
-    :meth:`expect` says a pass will), or at once with ``PRECISE_BN_COMPILE=always``."""
+    :meth:`expect` says a pass will), or at once with ``PRECISE_BN_COMPILE=always``. Compiled
+    code is called through dynamo's run-only mode: it never compiles on the caller's thread."""
 
     def __init__(self) -> None:
-        self.ready: Dict[Key, Sums] = {}
+        self.ready: Dict[Key, Tuple[Sums, _State]] = {}
         self.eager_elements = 0
-        self._seen: Set[Key] = set()
+        self._seen: Dict[Key, Tuple[torch.device, Optional[_State]]] = {}
         self._asked: Set[Key] = set()
-        self._queue: "queue.Queue[Tuple[Key, torch.device]]" = queue.Queue()
+        self._queue: "queue.Queue[Key]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
-        self._devices: Dict[Key, torch.device] = {}
         self._lock = threading.Lock()
         self.failures: List[str] = []
         self._on = False
 
     def sums(self, form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (form, x.dtype, shift.dtype, x.device.type)
-        compiled = self.ready.get(key)
-        if compiled is not None:
-            return compiled(x, shift)
+        key = (form, x.dtype, shift.dtype, x.device.type, _autocast_on(x.device.type))
+        entry = self.ready.get(key)
+        if entry is not None and entry[1].matches():
+            return entry[0](x, shift)
         if key not in self._seen:
             self._note(key, x.device)
         self.eager_elements += x.numel()
@@ -171,9 +201,12 @@ class Kernels:
         return _eager(form, x, shift)
 
     def _note(self, key: Key, device: torch.device) -> None:
+        try:
+            state: Optional[_State] = _State(device)
+        except (AttributeError, TypeError, RuntimeError):  # a torch without what compiling needs
+            state = None
         with self._lock:
-            self._seen.add(key)
-            self._devices[key] = device
+            self._seen[key] = (device, state)
         if self._on:
             self._ask(key)
         elif _policy() == "always":
@@ -190,59 +223,64 @@ class Kernels:
         policy = _policy()
         if self._on or policy == "never":
             return
+        self._on = True
         if not hasattr(torch, "compile"):
-            self._on = True
             self._fail("this torch ({}) has no torch.compile".format(torch.__version__))
             return
-        self._on = True
         with self._lock:
             seen = list(self._seen)
         for key in seen:
             self._ask(key)
+        if seen and all(self._seen[key][1] is None for key in seen):
+            self._fail("this torch ({}) lacks what compiling needs".format(torch.__version__))
 
     def _ask(self, key: Key) -> None:
         with self._lock:
-            if key in self._asked:
+            if key in self._asked or self._seen[key][1] is None:
                 return
             self._asked.add(key)
-            device = self._devices[key]
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="precise-bn compile", daemon=True)
                 self._thread.start()
-        self._queue.put((key, device))
+        self._queue.put(key)
 
     def _work(self) -> None:
         while True:
-            key, device = self._queue.get()
+            key = self._queue.get()
             try:
-                self._compile(key, device)
+                self._compile(key)
             except Exception as exc:  # any failure leaves the eager path, which is always right
                 self._fail("{}: {}".format(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
             finally:
                 self._queue.task_done()
 
-    def _compile(self, key: Key, device: torch.device) -> None:
-        form, dtype, shift_dtype, _ = key
-        import torch._dynamo  # noqa: F401  (mark_unbacked below)
+    def _compile(self, key: Key) -> None:
+        import torch._dynamo
 
+        form, dtype, shift_dtype = key[:3]
+        device, state = self._seen[key]
+        assert state is not None
         options: Dict[str, object] = {"compile_threads": 1}
         if device.type == "cpu":
             # Inductor's 512-bit float64 reductions run slower than its 256-bit ones.
             options["cpp.simdlen"] = 256
-        compiled = torch.compile(_copy_of(FORMS[form], "_".join(map(str, key))), dynamic=True, fullgraph=True,
-                                 options=options)
+        fn = _copy_of(FORMS[form], "_".join(map(str, key)))
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
         gen = torch.Generator().manual_seed(0)
         example = (torch.randn(3, 5, 7, generator=gen) * 4 + 100).to(device=device, dtype=dtype)
         shift = example.double().mean((0, 1) if form == "channels_last" else (0, 2)).to(shift_dtype)
         for dim in range(3):
             torch._dynamo.decorators.mark_unbacked(example, dim)  # any size, 1 included: one compile
         torch._dynamo.decorators.mark_unbacked(shift, 0)
-        with torch.no_grad():
+        with contextlib.ExitStack() as stack:
+            if not state.entered(stack):
+                logger.debug("precise-bn: not compiling %s: the calling thread's state cannot be reproduced", key)
+                return
             got, _ = compiled(example, shift)
-        want, _ = _eager(form, example, shift)
+            want, _ = _eager(form, example, shift)
         if not torch.allclose(got, want, rtol=1e-12, atol=0):
             raise RuntimeError("the compiled sums disagree with the eager ones: {} vs {}".format(got, want))
-        self.ready[key] = compiled
+        self.ready[key] = (torch._dynamo.run(fn), state)
         logger.debug("precise-bn: compiled the float64 sums for %s", key)
 
     def _fail(self, why: str) -> None:

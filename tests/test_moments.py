@@ -92,7 +92,7 @@ def test_auto_compiles_once_enough_was_measured_eagerly_or_is_expected(monkeypat
     monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
     monkeypatch.setattr(moments, "COMPILE_AFTER", 1000)
     compiled = []
-    monkeypatch.setattr(moments.Kernels, "_compile", lambda self, key, device: compiled.append(key))
+    monkeypatch.setattr(moments.Kernels, "_compile", lambda self, key: compiled.append(key))
     kernels = moments.Kernels()
     x = torch.randn(4, 3, 8)  # 96 elements a call
     for _ in range(10):
@@ -101,10 +101,10 @@ def test_auto_compiles_once_enough_was_measured_eagerly_or_is_expected(monkeypat
     assert compiled == [] and kernels._thread is None  # 960 elements: not yet
     kernels.sums("channels_first", x, torch.zeros(3))
     kernels.wait()
-    assert compiled == [("channels_first", torch.float32, torch.float32, "cpu")]
+    assert compiled == [("channels_first", torch.float32, torch.float32, "cpu", False)]
     kernels.sums("channels_last", x, torch.zeros(8, dtype=torch.float64))  # new forms are compiled once seen
     kernels.wait()
-    assert compiled[1:] == [("channels_last", torch.float32, torch.float64, "cpu")]
+    assert compiled[1:] == [("channels_last", torch.float32, torch.float64, "cpu", False)]
 
     expecting = moments.Kernels()
     expecting.sums("channels_first", x, torch.zeros(3))
@@ -112,7 +112,7 @@ def test_auto_compiles_once_enough_was_measured_eagerly_or_is_expected(monkeypat
     assert expecting._thread is None
     expecting.expect(1000)
     expecting.wait()
-    assert compiled[2:] == [("channels_first", torch.float32, torch.float32, "cpu")]
+    assert compiled[2:] == [("channels_first", torch.float32, torch.float32, "cpu", False)]
 
 
 def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypatch, caplog):
@@ -139,7 +139,7 @@ def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypat
 @pytest.fixture(scope="module")
 def compiled_kernels():
     """A Kernels object with every form of ``_inputs()`` compiled (tens of seconds on a cold cache)."""
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():  # as in a pass
         patch.setenv("PRECISE_BN_COMPILE", "always")
         kernels = moments.Kernels()
         for x in _inputs():
@@ -151,6 +151,7 @@ def compiled_kernels():
     return kernels
 
 
+@torch.no_grad()
 def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kernels, monkeypatch):
     assert not compiled_kernels.failures, compiled_kernels.failures
     assert compiled_kernels._thread is not None and compiled_kernels._thread.name == "precise-bn compile"
@@ -158,9 +159,11 @@ def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kerne
     for x in _inputs():
         form, view = moments.view_for_sums(x)
         for name, shift in _shifts(x).items():
-            key = (form, view.dtype, shift.dtype, "cpu")
+            key = (form, view.dtype, shift.dtype, "cpu", False)
             assert key in compiled_kernels.ready, key
-            got, far = compiled_kernels.ready[key](view, shift)
+            run, state = compiled_kernels.ready[key]
+            assert state.matches()
+            got, far = run(view, shift)
             want, far_eager = moments._eager(form, view, shift)
             assert bool(far) == bool(far_eager), (key, name)
             if not far:  # around a far shift both cancel, differently, and are measured again
@@ -178,6 +181,9 @@ def test_a_pass_with_compiled_sums_writes_the_float64_statistics(compiled_kernel
     eager_before = compiled_kernels.eager_elements
     recompute(model, data, progress=False)
     assert compiled_kernels.eager_elements == eager_before  # every call went through the compiled loop
+    with torch.enable_grad():  # another state than the one compiled for: the eager sums, not a new compile
+        moments.measure(data[0], torch.zeros(3))
+    assert compiled_kernels.eager_elements > eager_before
     for name in ("1", "4"):
         layer = model.get_submodule(name)
         assert_close_exact(layer.running_mean, layer.running_var, *reference[name][:2], name)
