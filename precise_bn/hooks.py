@@ -26,7 +26,7 @@ from .distributed import get_world_size, resolve_sync
 from .errors import ConfigError
 from .options import Options, positive_int
 from .report import BNReport
-from .signals import all_or_nothing
+from .signals import all_or_nothing, write
 from .step_cache import StepCache
 from .torch_aux import TorchAuxModel, TorchCache
 
@@ -97,6 +97,7 @@ class PreciseBNHook:
         self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
         self.logger = logger
+        self.lent: Optional[int] = None  # the extra model whose stats model's layers hold, see lend()
 
     @property
     def last_report(self) -> Optional[BNReport]:
@@ -138,11 +139,33 @@ class PreciseBNHook:
         """
         return self._at(step, self.checkpoint_period, loaded_from, "checkpoint")
 
+    def cached_for(self, step: int, loaded_from: Any = None) -> bool:
+        """Whether a call at ``step`` now would write cached stats back, without a pass."""
+        return self.cache.value is not None and self.cache.key == (step, loaded_from, self.job.state())
+
     @all_or_nothing
     def forget(self) -> None:
         """Recompute at the next call whatever its key: for a framework that changed the
         weights where their version counters do not show it (writes through ``.data``)."""
         self.cache.forget()
+
+    @all_or_nothing
+    def lend(self, member: int) -> None:
+        """Give ``model``'s layers the cached stats of ``extra_models[member - 1]``, until
+        :meth:`take_back`: for a framework that swaps only an EMA copy's weights into ``model``
+        for an evaluation (mmengine's ``EMAHook``), which then runs them with their own stats."""
+        own = self.stats_of(0)
+        self.job.apply({"model." + name: stats for name, stats in self.stats_of(member).items() if name in own})
+        kept = self.lent
+        write(lambda: setattr(self, "lent", member), lambda: setattr(self, "lent", kept))
+
+    @all_or_nothing
+    def take_back(self) -> None:
+        """Give every model its own cached stats again, after :meth:`lend` (else nothing)."""
+        if self.lent:
+            self.job.apply(self.cached_stats or {})
+            kept = self.lent
+            write(lambda: setattr(self, "lent", None), lambda: setattr(self, "lent", kept))
 
     def stats_of(self, member: int = 0) -> TorchCache:
         """The cached stats of ``model`` (``member=0``) or of ``extra_models[member - 1]``, by

@@ -13,6 +13,8 @@ end of every ``interval``-th epoch (epoch loop) or iteration (iteration loop), c
 iterations done, whatever triggers the validation or checkpoint. Validation and checkpoints
 after the same iteration share one pass: the file holds what validation used (mmengine builds
 the checkpoint's ``state_dict`` before ``before_save_checkpoint``, so the hook writes into it).
+mmengine calls ``before_save_checkpoint`` on rank 0 alone, so the pass for a ``CheckpointHook``
+runs just before it, on every rank, when that hook's own conditions say it saves now.
 With mmengine's ``EMAHook``, the EMA weights are recomputed with the model, on the same batches:
 validation runs them with their own statistics, and the file's ``state_dict`` (EMA weights) and
 ``ema_state_dict`` (trained weights) each hold theirs. The runner's logger says what was done.
@@ -27,19 +29,33 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from torch import nn
 
+from .distributed import get_world_size, resolve_sync
 from .errors import BackendUnavailableError, ConfigError, warn
 from .hooks import PreciseBNHook
 from .options import Options, positive_int
 from .reader import PrivateReader
-from .signals import all_or_nothing, write
+from .signals import all_or_nothing
 
 try:
-    from mmengine.hooks import EMAHook, Hook
+    from mmengine.hooks import CheckpointHook, EMAHook, Hook
     from mmengine.model import is_model_wrapper
     from mmengine.registry import HOOKS
     from mmengine.runner import BaseLoop, IterBasedTrainLoop
 except ImportError as error:
     raise BackendUnavailableError("precise_bn.mmengine needs mmengine: pip install '.[mmengine]' (from a checkout)") from error
+
+
+def _saves_now(checkpoints: CheckpointHook, runner: Any, by_epoch: bool) -> bool:
+    """Whether ``checkpoints`` saves at this point: its own conditions, as its
+    ``after_train_epoch`` (``by_epoch``) or ``after_train_iter`` checks them."""
+    if checkpoints.by_epoch != by_epoch:
+        return False
+    start = getattr(checkpoints, "save_begin", 0)
+    if by_epoch:
+        return checkpoints.every_n_epochs(runner, checkpoints.interval, start) or bool(
+            checkpoints.save_last and checkpoints.is_last_train_epoch(runner))
+    return checkpoints.every_n_train_iters(runner, checkpoints.interval, start) or bool(
+        checkpoints.save_last and checkpoints.is_last_train_iter(runner))
 
 
 def mm_forward(model: nn.Module, batch: Any) -> Any:
@@ -77,7 +93,6 @@ class ExactPreciseBNHook(Hook):
         self.data = data
         self.hook: Optional[PreciseBNHook] = None
         self.ema: Optional[EMAHook] = None
-        self.lent = False  # validation runs the EMA weights with their statistics, lent to the model
 
     def before_run(self, runner: Any) -> None:
         self.hook = None  # a new run may bring another model, dataloader or EMA copy
@@ -88,24 +103,41 @@ class ExactPreciseBNHook(Hook):
         if hook is None or not self._due(runner, runner.iter) or hook.before_eval(runner.iter) is None:
             return
         if self.ema is not None and not self.ema.ema_model.update_buffers:
-            # EMAHook swaps only the parameters in for validation: the model lends the EMA
-            # copy's statistics until after_val_epoch, which runs before EMAHook swaps back.
-            own = hook.stats_of(0)
-            hook.job.apply({"model." + name: stats for name, stats in hook.stats_of(1).items() if name in own})
-            write(lambda: setattr(self, "lent", True), lambda: setattr(self, "lent", False))
+            hook.lend(1)  # EMAHook swaps only the weights in: they run with their own stats
 
     @all_or_nothing
     def after_val_epoch(self, runner: Any, metrics: Optional[Dict[str, float]] = None) -> None:
-        if self.lent and self.hook is not None:
-            self.hook.job.apply(self.hook.cached_stats or {})
-            write(lambda: setattr(self, "lent", False), lambda: setattr(self, "lent", True))
+        if self.hook is not None:
+            self.hook.take_back()  # before EMAHook swaps the weights back, and before save_best's checkpoint
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        self._before_checkpoints(runner, by_epoch=False)
+
+    def after_train_epoch(self, runner: Any) -> None:
+        self._before_checkpoints(runner, by_epoch=True)
+
+    def _before_checkpoints(self, runner: Any, by_epoch: bool) -> None:
+        """The pass, on every rank, for what a CheckpointHook saves next (it runs after this
+        hook); ``before_checkpoint`` is the one call that writes."""
+        hook = self._get_hook(runner)
+        done = runner.iter if by_epoch else runner.iter + 1  # mmengine counts the iteration after these hooks
+        if hook is not None and self._due(runner, done) and any(
+                _saves_now(h, runner, by_epoch) for h in runner.hooks if isinstance(h, CheckpointHook)):
+            hook.before_checkpoint(done)
 
     @all_or_nothing
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
         hook = self._get_hook(runner)
         step = checkpoint.get("meta", {}).get("iter", runner.iter)
-        if hook is None or not self._due(runner, step) or hook.before_checkpoint(step) is None:
+        if hook is None or not hook.enabled or not self._due(runner, step):
             return
+        opts = hook.job.opts
+        if not hook.cached_for(step) and resolve_sync(opts.sync, opts.group) and get_world_size(opts.group) > 1:
+            warn("ExactPreciseBNHook: a checkpoint at iteration {} that no CheckpointHook announced is written by "
+                 "rank 0 alone, where no pass over the ranks can run: it keeps the statistics mmengine "
+                 "collected".format(step))
+            return
+        hook.before_checkpoint(step)
         state = checkpoint.get("state_dict", {})
         if self.ema is not None and "ema_state_dict" in checkpoint:
             # EMAHook came first: it put the EMA weights in state_dict, the trained ones in ema_state_dict.
