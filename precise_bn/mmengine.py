@@ -78,7 +78,9 @@ class ExactPreciseBNHook(Hook):
             per rank, ``layers``, ``forward_fn``, ``prior``...), checked now.
     """
 
-    priority = "ABOVE_NORMAL"
+    # After EMAHook (NORMAL), which updates the EMA weights after each iteration and swaps them
+    # in and out around validation and checkpoints; before CheckpointHook (VERY_LOW).
+    priority = "LOW"
 
     def __init__(self, num_samples: Optional[int] = 8192, interval: int = 1, data: Optional[Iterable[Any]] = None,
                  **options: Any):
@@ -97,18 +99,29 @@ class ExactPreciseBNHook(Hook):
     def before_run(self, runner: Any) -> None:
         self.hook = None  # a new run may bring another model, dataloader or EMA copy
 
+    def before_train(self, runner: Any) -> None:
+        hooks = list(runner.hooks)
+        mine = hooks.index(self)
+        late = [h for h in hooks[mine:] if isinstance(h, EMAHook)]
+        early = [h for h in hooks[:mine] if isinstance(h, CheckpointHook)]
+        if late or early:
+            raise ConfigError("ExactPreciseBNHook(priority={!r}) runs {} {} (priority {!r}): it must run after "
+                              "EMAHook and before CheckpointHook, as its default priority 'LOW' does".format(
+                                  self.priority, "before" if late else "after", type((late or early)[0]).__name__,
+                                  (late or early)[0].priority))
+
     @all_or_nothing
     def before_val(self, runner: Any) -> None:
         hook = self._get_hook(runner)
         if hook is None or not self._due(runner, runner.iter) or hook.before_eval(runner.iter) is None:
             return
         if self.ema is not None and not self.ema.ema_model.update_buffers:
-            hook.lend(1)  # EMAHook swaps only the weights in: they run with their own stats
+            hook.lend(1)  # EMAHook swaps only the weights in (at before_val_epoch): they run with their stats
 
     @all_or_nothing
     def after_val_epoch(self, runner: Any, metrics: Optional[Dict[str, float]] = None) -> None:
         if self.hook is not None:
-            self.hook.take_back()  # before EMAHook swaps the weights back, and before save_best's checkpoint
+            self.hook.take_back()  # after EMAHook swapped the weights back, before save_best's checkpoint
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
         self._before_checkpoints(runner, by_epoch=False)
@@ -140,10 +153,9 @@ class ExactPreciseBNHook(Hook):
         hook.before_checkpoint(step)
         state = checkpoint.get("state_dict", {})
         if self.ema is not None and "ema_state_dict" in checkpoint:
-            # EMAHook came first: it put the EMA weights in state_dict, the trained ones in ema_state_dict.
+            # EMAHook, just before, put the EMA weights in state_dict and the trained ones in ema_state_dict.
             missing = hook.write_into(state, member=1) + hook.write_into(checkpoint["ema_state_dict"], "module.")
         else:
-            # EMAHook, if any, saves its copy's own buffers, where the pass wrote its statistics.
             missing = hook.write_into(state)
         if missing:
             warn("ExactPreciseBNHook: the checkpoint has no entry {}: the file keeps the stats mmengine "

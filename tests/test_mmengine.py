@@ -222,16 +222,20 @@ def test_a_resumed_run_counts_the_iterations_it_resumed_from(tmp_path, monkeypat
     assert_same_stats(load(tmp_path / "epoch_3.pth")["state_dict"], model.validated[12])  # not due: untouched
 
 
+@pytest.mark.parametrize("by_epoch", [True, False], ids=["epoch-checkpoints", "iteration-checkpoints"])
 @pytest.mark.parametrize("update_buffers", [False, True])
-def test_ema_weights_are_validated_and_saved_with_their_own_statistics(tmp_path, update_buffers):
+def test_ema_weights_are_validated_and_saved_with_their_own_statistics(tmp_path, update_buffers, by_epoch):
+    """EMAHook updates its copy after each iteration, swaps the weights (and with update_buffers
+    the buffers) in for validation and the two state dicts in checkpoints."""
     model = Net()
     record = Recorder(model)
     ema = EMAHook(momentum=0.5, update_buffers=update_buffers)
     runner = make_runner(tmp_path, model, [ExactPreciseBNHook(num_samples=SAMPLES, forward_fn=record), ema],
-                         dict(by_epoch=True, max_epochs=2, val_interval=1))
+                         dict(by_epoch=True, max_epochs=2, val_interval=1),
+                         checkpoint=dict(interval=1) if by_epoch else dict(interval=6, by_epoch=False))
     runner.train()
     for epoch, steps in ((1, 6), (2, 12)):
-        saved = load(tmp_path / "epoch_{}.pth".format(epoch))
+        saved = load(tmp_path / ("epoch_{}.pth".format(epoch) if by_epoch else "iter_{}.pth".format(steps)))
         averaged = saved["state_dict"]  # EMAHook saves the EMA weights there, the trained ones aside
         trained = {k[len("module."):]: v for k, v in saved["ema_state_dict"].items() if k.startswith("module.")}
         assert not torch.equal(averaged["net.0.weight"], trained["net.0.weight"])
@@ -331,6 +335,17 @@ def test_mm_forward_goes_through_the_data_preprocessor():
 def test_options_are_checked_when_the_hook_is_built(kwargs, error, match):
     with pytest.raises(error, match=match):
         HOOKS.build(dict(type="ExactPreciseBNHook", **kwargs))
+
+
+@pytest.mark.parametrize("priority, match", [("ABOVE_NORMAL", "runs before EMAHook"),
+                                             ("LOWEST", "runs after CheckpointHook")])
+def test_a_priority_before_ema_or_after_checkpoints_is_refused_before_training(tmp_path, priority, match):
+    model = Net()
+    hook = dict(type="ExactPreciseBNHook", num_samples=SAMPLES, priority=priority)
+    runner = make_runner(tmp_path, model, [hook, EMAHook()], dict(by_epoch=True, max_epochs=1))
+    with pytest.raises(ConfigError, match=match):
+        runner.train()
+    assert model.steps == 0
 
 
 def test_two_ema_hooks_are_refused(tmp_path):
