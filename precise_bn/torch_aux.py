@@ -76,10 +76,13 @@ class TorchAuxModel:
     def state(self) -> Tuple[Any, ...]:
         """What the stats are a function of besides the data: which modules, and which weights.
 
-        Every in-place change of a parameter (an optimizer step, an EMA update, loading a
-        checkpoint with ``load_state_dict``) bumps its version counter; a new module or new
-        parameter objects change the identities. The running buffers are left out on purpose:
-        writing cached stats back after something touched them is the cache's job.
+        Every in-place change of a parameter (an optimizer step, a ``swa_utils`` EMA update,
+        loading a checkpoint with ``load_state_dict``) bumps its version counter, but not a
+        write through ``.data`` (how mmengine's and Lightning's averaging callbacks swap and
+        copy weights: the integrations drop the cache where that changes what is evaluated);
+        a new module or new parameter objects change the identities. The running buffers are
+        left out on purpose: writing cached stats back after something touched them is the
+        cache's job.
         """
         return tuple(id(m) for m in self.members), tuple(
             (id(p), p._version) for member in self.members for p in member.parameters())
