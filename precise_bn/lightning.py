@@ -38,7 +38,7 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -90,7 +90,7 @@ class PreciseBNCallback(pl.Callback):
             which counts all ranks together, or ``rtol``).
         data: batches to recompute on; default: the trainer's training DataLoader (under DDP
             each rank reads its own shard and the stats are merged across ranks), read through
-            an iterator of its own. A training dataloader that is not a torch DataLoader is
+            a loader of its own (:mod:`precise_bn.reader`). A training dataloader that is not a torch DataLoader is
             refused (reading it might take batches from training): pass ``data`` then. A kept
             iterator continues across recomputations and starts a new pass when one ends.
         attribute: the submodule of the LightningModule to recompute, e.g. ``"model"`` or
