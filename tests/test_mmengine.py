@@ -232,8 +232,13 @@ def test_ema_weights_are_validated_and_saved_with_their_own_statistics(tmp_path,
     ema = EMAHook(momentum=0.5, update_buffers=update_buffers)
     runner = make_runner(tmp_path, model, [ExactPreciseBNHook(num_samples=SAMPLES, forward_fn=record), ema],
                          dict(by_epoch=True, max_epochs=2, val_interval=1),
-                         checkpoint=dict(interval=1) if by_epoch else dict(interval=6, by_epoch=False))
+                         checkpoint=dict(interval=1, save_best="batches", rule="greater") if by_epoch else
+                         dict(interval=6, by_epoch=False))
     runner.train()
+    if by_epoch:  # save_best's file, written after the validation, rank 0 alone: what validation used
+        best = load(tmp_path / "best_batches_epoch_1.pth")
+        assert_same_stats(best["state_dict"], model.validated[6], "best, EMA weights")
+        assert_same_stats(best["ema_state_dict"], load(tmp_path / "epoch_1.pth")["ema_state_dict"], "best, trained")
     for epoch, steps in ((1, 6), (2, 12)):
         saved = load(tmp_path / ("epoch_{}.pth".format(epoch) if by_epoch else "iter_{}.pth".format(steps)))
         averaged = saved["state_dict"]  # EMAHook saves the EMA weights there, the trained ones aside
