@@ -64,7 +64,7 @@ def test_python_m_precise_bn_help_lists_every_sub_command():
     done = _run("--help")
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout.startswith("usage: precise-bn ")
-    assert all(re.search(r"^ +{} +\S".format(name), done.stdout, re.M) for name in SUBCOMMANDS), done.stdout
+    assert all(re.search(r"^ +{}\b".format(name), done.stdout, re.M) for name in SUBCOMMANDS), done.stdout
 
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)
