@@ -18,14 +18,12 @@ CAFFE2_EXTRAS="test"
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
 # pip warns about every package its extra local indexes lack; keep its real output only. Torch's
-# wheels take minutes to download and unpack, so a line every 15 s says how far it got.
+# wheels take minutes to download and unpack, so a line every 15 s says how far the build got.
 pip_install() {
   local venv=$1 status=0 ticker; shift
   (
-    elapsed=0
     while sleep 15 && kill -0 $$ 2>/dev/null; do
-      elapsed=$((elapsed + 15))
-      log "pip still working: ${elapsed} s, $(du -sh "$venv" 2>/dev/null | cut -f1) in $venv so far"
+      log "pip still working: $((SECONDS - BUILD_STARTED)) s into the build, $(du -sh "$venv" 2>/dev/null | cut -f1) in $venv"
     done
   ) &
   ticker=$!
@@ -52,7 +50,8 @@ find_python() {
 # build_env VENV PYVERS EXTRAS PINS...: (re)install when pyproject.toml or this script changed.
 build_env() {
   local venv=$1 pyvers=$2 extras=$3; shift 3
-  local stamp started=$SECONDS
+  local stamp
+  BUILD_STARTED=$SECONDS
   stamp=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
   if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then return; fi
   if [ -x "$venv/bin/python" ]; then
@@ -67,7 +66,7 @@ build_env() {
   pip_install "$venv" "$venv/bin/python" -m pip install --progress-bar off "$@"
   pip_install "$venv" "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
   echo "$stamp" >"$venv/.stamp"
-  log "built $venv in $((SECONDS - started)) s ($(du -sh "$venv" | cut -f1))"
+  log "built $venv in $((SECONDS - BUILD_STARTED)) s ($(du -sh "$venv" | cut -f1))"
 }
 
 setup_main() { build_env "$MAIN_VENV" "3.13 3.12 3.11" "$MAIN_EXTRAS" "${MAIN_PINS[@]}"; }
