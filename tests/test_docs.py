@@ -104,7 +104,7 @@ _PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 #: A block's first line may say what it assumes: ``# given: model, train_loader`` and, after a
 #: semicolon, where it runs: ``under torchrun`` (a process group of one), ``in the caffe2
 #: environment``. Every other name a block uses, it defines or imports.
-_GIVEN = re.compile(r"# given: ([\w, ]+)(?:; (under torchrun|in the caffe2 environment))?$")
+_GIVEN_LINE = re.compile(r"# given: ([\w, ]+)(?:; (under torchrun|in the caffe2 environment))?$")
 
 
 def python_blocks() -> Iterator[Tuple[str, int, str]]:
@@ -117,7 +117,7 @@ def python_blocks() -> Iterator[Tuple[str, int, str]]:
 
 def given(code: str) -> Tuple[List[str], str]:
     """The names a block assumes and where it runs (``""``: the main environment)."""
-    match = _GIVEN.match(code.splitlines()[0]) if code.strip() else None
+    match = _GIVEN_LINE.match(code.splitlines()[0]) if code.strip() else None
     if not match:
         return [], ""
     return [name.strip() for name in match.group(1).split(",")], match.group(2) or ""
