@@ -57,9 +57,9 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     if spec["method"] == PRECISE:
         from precise_bn import moments, recompute
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         report = recompute(model, batches, progress=False)
-        out["call"] = time.perf_counter() - start
+        out["call"], out["cpu"] = time.perf_counter() - start, time.process_time() - cpu
         out["returned"] = time.time()
         kernels = moments.KERNELS
         out["ready_at_return"] = len(kernels.ready)
@@ -73,9 +73,9 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     else:
         from fvcore.nn.precise_bn import update_bn_stats
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         update_bn_stats(model, batches, num_iters=len(batches))
-        out["call"] = time.perf_counter() - start
+        out["call"], out["cpu"] = time.perf_counter() - start, time.process_time() - cpu
         out["returned"] = time.time()
     return out
 
@@ -122,17 +122,21 @@ def _spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return (fmt + " (" + fmt + "-" + fmt + ")").format(statistics.median(values), min(values), max(values))
 
 
-def row(side: int, batch: int, cache: str, done: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]]) -> List[Any]:
+def rows(side: int, batch: int, cache: str, done: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]]
+         ) -> Tuple[List[Any], List[Any]]:
+    """A row of :data:`TIME_HEADERS` and one of :data:`COMPILE_HEADERS`."""
     ours = [p for p, _ in done]
     theirs = [f for _, f in done]
     finished = sum(1 for p in ours if p["ready_at_return"] and p["ready_at_return"] == p["ready_after"])
     asked = sum(1 for p in ours if p["ready_after"] or p["failures"])
-    return [
-        "{0}x{0}, batch {1}".format(side, batch), cache, len(done),
+    head = ["{0}x{0}, batch {1}".format(side, batch), cache, len(done)]
+    return head + [
         _spread([f["call"] for f in theirs]), _spread([p["call"] for p in ours]),
         _spread([p["call"] / f["call"] for p, f in done], "{:.3f}"),
+        _spread([p["cpu"] / f["cpu"] for p, f in done], "{:.3f}"),
         _spread([f["process"] for f in theirs]), _spread([p["process"] for p in ours]),
         _spread([p["process"] / f["process"] for p, f in done], "{:.3f}"),
+    ], head + [
         "{} of {} ({} asked)".format(finished, len(ours), asked),
         _spread([100 * p["eager_share"] for p in ours], "{:.0f}%"),
         _spread([p["compile_after"] for p in ours], "{:.1f}"),
@@ -140,10 +144,11 @@ def row(side: int, batch: int, cache: str, done: Sequence[Tuple[Dict[str, Any], 
     ]
 
 
-HEADERS = ["input", "cache", "pairs", "fvcore call (s)", "precise-bn call (s)", "precise-bn / fvcore, call",
-           "fvcore process (s)", "precise-bn process (s)", "precise-bn / fvcore, process",
-           "compile done when the call returned", "elements measured eagerly",
-           "compile finished after the call (s)", "failed compiles"]
+TIME_HEADERS = ["input", "cache", "pairs", "fvcore call (s)", "precise-bn call (s)", "precise-bn / fvcore, call",
+                "precise-bn / fvcore, CPU time of the call", "fvcore process (s)", "precise-bn process (s)",
+                "precise-bn / fvcore, process"]
+COMPILE_HEADERS = ["input", "cache", "pairs", "compile done when the call returned", "elements measured eagerly",
+                   "compile finished after the call (s)", "failed compiles"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -160,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cold_reps = args.cold_reps or (1 if args.quick else 2)
     sizes = QUICK_SIZES if args.quick else SIZES
     started = time.perf_counter()
-    rows, lines = [], []
+    time_rows, compile_rows, lines = [], [], []
     cache = Path(tempfile.mkdtemp(prefix="precise-bn-warm-"))
     try:
         common.log.info("fresh process: warm-up process filling %s", cache)
@@ -168,7 +173,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for side, batch in sizes:
             warm = pairs(side, batch, BATCHES, reps, cache)
             cold = pairs(side, batch, BATCHES, cold_reps, None)
-            rows += [row(side, batch, "warm", warm), row(side, batch, "cold", cold)]
+            for label, done in (("warm", warm), ("cold", cold)):
+                time_row, compile_row = rows(side, batch, label, done)
+                time_rows.append(time_row)
+                compile_rows.append(compile_row)
             ratio = statistics.median(p["call"] / f["call"] for p, f in warm)
             lines.append(common.target_line("{0}x{0}, batch {1}, warm cache: precise-bn / fvcore = {2:.3f} "
                                             "(<= {3})".format(side, batch, ratio, TARGET), ratio <= TARGET))
@@ -179,8 +187,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "Command: `{}` ({:.0f} s)".format(common.command_line(argv), time.perf_counter() - started),
         common.environment_text(1, sums="Workers: `PRECISE_BN_COMPILE=auto`."),
         "Each figure comes from its own fresh Python process: torchvision's resnet18 (random weights), "
-        "{} batches of `torch.randn`, one thread, one call timed by wall clock. `call`: the "
-        "`recompute` or `update_bn_stats` call alone; `process`: from just before the process was "
+        "{} batches of `torch.randn`, `torch.set_num_threads(1)`, one call timed by wall clock. `call`: the "
+        "`recompute` or `update_bn_stats` call alone; `CPU time of the call`: the process's CPU time over "
+        "the call, every thread counted (precise-bn's background compile runs in a thread of its own, on "
+        "another core when there is one); `process`: from just before the process was "
         "started to the call's return (interpreter, imports, model and data included). Median (min-max) "
         "over the pairs; each ratio is taken between the two processes of a pair, run one after the "
         "other. `warm`: inductor's cache directory was filled by one warm-up process first (a precise-bn "
@@ -192,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             BATCHES, sizes[0][0], sizes[0][0], sizes[0][1],
             "waited for its compile: {} form(s), {:.1f} s after its call".format(warmup["ready_after"], warmup["compile_after"])
             if warmup["ready_after"] else "asked for no compile: the pass was too short for `auto`"),
-        common.markdown_table(HEADERS, rows),
+        common.markdown_table(TIME_HEADERS, time_rows),
+        common.markdown_table(COMPILE_HEADERS, compile_rows),
         "Target: at most {}x fvcore's time in a fresh process, warm cache (the call):".format(TARGET),
         "\n".join(lines),
     ])

@@ -229,8 +229,8 @@ def time_table(results: Sequence[CaseResult], methods: Sequence[str], clock: str
         "Time ({}) of each method over that of the plain train-mode forward under `no_grad` on the "
         "same batches: median of the per-repetition ratios (`reps` of them), each ratio against a "
         "floor run timed right next to the method's run (before it on even repetitions, after it "
-        "on odd ones; methods in rotated order), after one untimed warm-up (min-max of the ratios "
-        "in parentheses). A call includes everything the function does once per call (finding "
+        "on odd ones; methods in rotated order), after one untimed warm-up and the compile of the "
+        "float64 sums it measured (steady state; min-max of the ratios in parentheses). A call includes everything the function does once per call (finding "
         "the layers, snapshot and restore of buffers, the report). 1-minute load average when the "
         "table was written: {:.2f} on {} logical cores.\n\n".format(clock, os.getloadavg()[0], os.cpu_count())
         + markdown_table(["model", "floor (ms/batch)", "reps"] + others, rows)
