@@ -81,10 +81,16 @@ def eager_sums() -> Iterator[moments.Kernels]:
         moments.KERNELS = saved
 
 
+def kernel_name(key: Sequence[Any]) -> str:
+    """A compiled form of :data:`precise_bn.moments.KERNELS`, in words: its layout, input
+    dtype, shift dtype, and whether it serves calls under autocast."""
+    short = [str(part).replace("torch.", "") for part in key[:3]]
+    return "{} {} around {}{}".format(*short, " under autocast" if len(key) > 4 and key[4] else "")
+
+
 def sums_text() -> str:
     """How this process measures the float64 sums: the compile policy and what it compiled."""
-    ready = sorted("{} {} around {}".format(form, str(dtype).replace("torch.", ""), str(shift).replace("torch.", ""))
-                   for form, dtype, shift, _ in moments.KERNELS.ready)
+    ready = sorted(kernel_name(key) for key in moments.KERNELS.ready)
     return "Float64 sums: `PRECISE_BN_COMPILE={}`; compiled in this process: {}.".format(
         os.environ.get("PRECISE_BN_COMPILE", "auto"), ", ".join(ready) if ready else "none (eager operators)")
 

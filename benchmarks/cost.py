@@ -65,7 +65,7 @@ def reach_steady_state(case: cases.Case) -> Steady:
     before = moments.KERNELS.eager_elements
     methods.precise_default(copy.deepcopy(model), batches)
     kernels = moments.KERNELS
-    return Steady(sorted("{} {}".format(k[0], str(k[1]).replace("torch.", "")) for k in kernels.ready),
+    return Steady(sorted(common.kernel_name(key) for key in kernels.ready),
                   list(kernels.failures), kernels.eager_elements - before)
 
 
