@@ -32,7 +32,7 @@ from .errors import EmptyDataError, NonFiniteStatsError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
-from .report import UNTRUSTED_RTOL, BNReport, LayerReport
+from .report import BNReport, LayerReport
 from .signals import all_or_nothing
 
 logger = logging.getLogger("precise_bn")
@@ -53,8 +53,6 @@ class Backend(Protocol):
     #: The dtype of each layer's running buffers: what the results must fit in.
     dtypes: List[torch.dtype]
     empty_reason: str
-    #: Why this backend's kernel statistics may be untrusted, for the warning that names them.
-    untrusted_reason: str
 
     def old_stats(self) -> List[Stats]:
         """Each layer's running mean and variance before the pass, float64 on the CPU."""
@@ -73,12 +71,6 @@ class Backend(Protocol):
 
     def collect(self) -> List[PopulationStats]:
         """This process's statistics so far, one per layer, pending calls merged."""
-
-    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
-        """Per layer, from the statistics merged over ranks, the channels whose written variance
-        may be off by more than :data:`~precise_bn.report.UNTRUSTED_RTOL` of itself because the
-        kernel's float32 statistics were kept (a worst-case bound; none when every call was
-        measured in float64)."""
 
     def finish(self, results: Sequence[Optional[Stats]]) -> None:
         """Write ``results`` (None: keep that layer's statistics) with
@@ -232,7 +224,8 @@ def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[
 def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes: Sequence[torch.dtype]) -> None:
     """Raise :class:`~precise_bn.NonFiniteStatsError` for a layer whose statistics, as they
     are about to be written, would not be finite once stored in its buffers' dtype: ``inf`` is
-    never written."""
+    never written. Warn, naming the layers, when a nonzero statistic would be stored as 0."""
+    flushed = []
     for name, result, dtype in zip(names, results, dtypes):
         if result is None:
             continue
@@ -243,20 +236,13 @@ def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes:
                 "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
                 "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
                     name, largest, str(dtype).replace("torch.", ""), top))
-
-
-def name_untrusted(backend: Backend, stats: Sequence[PopulationStats], report: BNReport) -> None:
-    """Fill ``LayerReport.untrusted`` and name those channels in one warning."""
-    named = []
-    for layer, channels in zip(report.layers, backend.untrusted(stats)):
-        layer.untrusted = channels
-        if channels:
-            shown = ", ".join(map(str, channels[:8])) + (", ..." if len(channels) > 8 else "")
-            named.append("{} (channels {})".format(layer.name, shown))
-    if named:
-        warn("in {} layer(s) the written variance may be off by more than {:g} of itself, {}: {}. "
-             "Recompute with exact=True to measure every call in float64".format(
-                 len(named), UNTRUSTED_RTOL, backend.untrusted_reason, "; ".join(named)))
+        lost = [v[(v != 0) & (v.to(dtype) == 0)].abs() for v in result]
+        if any(v.numel() for v in lost):
+            flushed.append("{} ({} values, largest {:.3g})".format(
+                name, sum(v.numel() for v in lost), max(float(v.max()) for v in lost if v.numel())))
+    if flushed:
+        warn("statistics too small for their buffers' dtype underflow and are written as 0 in {} layer(s): {}; "
+             "scale those layers' inputs up if they matter".format(len(flushed), "; ".join(flushed)))
 
 
 def build_report(
@@ -363,7 +349,6 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         if opts.prior:
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
-        name_untrusted(backend, outcome.stats, report)
         logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                     report.samples, report.seconds, report.stop)
         ranks.exchange(ACTIVE, round_="end")
