@@ -6,7 +6,6 @@ by running a forward net over the same feeds.
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import sys
 import types
@@ -339,7 +338,7 @@ def test_channel_axis_video_inputs_and_test_mode_nets(c2, order, shape, is_test)
 
 @caffe2_env
 def test_layout_errors_name_what_is_wrong(c2):
-    core, _, _, model_helper, cpu = c2
+    core, _, brew, model_helper, cpu = c2
     model, _ = two_device_model(c2)
     with pytest.raises(ConfigError, match="gpu_2"):
         BatchNormHelper(backend="caffe2", iters=1, num_gpus=3).create_bn_aux_model(model)
@@ -350,6 +349,13 @@ def test_layout_errors_name_what_is_wrong(c2):
         folded.net.AffineChannel(["data", "res_conv1_bn_s", "res_conv1_bn_b"], "res_conv1_bn")
     with pytest.raises(LayerError, match="AffineChannel"):
         BatchNormHelper(backend="caffe2", iters=1).create_bn_aux_model(folded)
+    shared = model_helper.ModelHelper(name="shared")
+    with core.DeviceScope(cpu):
+        brew.spatial_bn(shared, "data", "twice_bn", 3, epsilon=EPS, is_test=False)
+        shared.net.SpatialBN(["twice_bn", "twice_bn_s", "twice_bn_b", "twice_bn_rm", "twice_bn_riv"], ["again"],
+                             epsilon=EPS, is_test=1)
+    with pytest.raises(LayerError, match="'twice' on device '<unscoped>' runs more than once"):
+        BatchNormHelper(backend="caffe2", iters=1).create_bn_aux_model(shared)
     uninitialised, _ = single_device_model(c2, "fresh")
     with pytest.raises(LayerError, match="param_init_net"):
         BatchNormHelper(backend="caffe2", iters=1).create_bn_aux_model(uninitialised)

@@ -125,7 +125,7 @@ class Caffe2AuxModel:
         """The input of ``b``'s SpatialBN after a run: a view of the blob itself on the CPU (no
         copy; valid until the next run), a copy on the host from any other device."""
         if b.option.device_type == self._cpu:
-            return self.workspace.FetchTorch(b.x).numpy()
+            return self.workspace.C.Workspace.current.create_blob(b.x).as_tensor().data
         return self.workspace.FetchBlob(b.x)
 
     def snapshot(self) -> List[Tuple[BNBlobs, np.ndarray, np.ndarray]]:
@@ -169,7 +169,8 @@ class _Caffe2Pass:
         self.dtypes = [torch.float32] * len(self.names)
         fetch = aux.workspace.FetchBlob
         self.stats = [PopulationStats(fetch(blobs[0].rm).size, name=name) for name, blobs in aux.layers.items()]
-        self._calls = [_Calls(stats) for stats in self.stats]
+        self._rows = max(32, len(aux.devices))
+        self._calls = [_Calls(stats, self._rows) for stats in self.stats]
         self._buffer = np.empty(CHUNK)
         self.iteration = 0
         self._snapshot = aux.snapshot()
@@ -200,20 +201,22 @@ class _Caffe2Pass:
             self.aux.feed(feeds)
         self.aux.run_net()
         self.iteration += 1
+        if max(len(calls.counts) for calls in self._calls) + len(self.aux.devices) > self._rows:
+            self.collect()
         samples = 0
         for index, (calls, blobs) in enumerate(zip(self._calls, self.aux.layers.values())):
             for b in blobs:
                 x = self.aux.fetch_input(b)
                 mean, var = calls.row()
                 count = measure_input(x, b.channel_axis, (mean, var), self._buffer)
-                if not math.isfinite(float(mean.sum() + var.sum())):
-                    self._refuse(b, mean + var)
+                if not math.isfinite(float(var.sum())):  # NaN or Inf anywhere in x makes var NaN
+                    self._refuse(b, var)
                 calls.add(count)
                 if index == 0:
                     samples += x.shape[0]
         return samples
 
-    def _refuse(self, b: BNBlobs, stats: np.ndarray) -> None:
+    def _refuse(self, b: BNBlobs, var: np.ndarray) -> None:
         """Raise for a call whose input holds NaN or Inf, naming the layers before it whose kernel
         cancelled on this device: their NaN output is what this layer read."""
         fetch = self.aux.workspace.FetchBlob
@@ -223,12 +226,24 @@ class _Caffe2Pass:
         raise NonFiniteStatsError(
             "Caffe2 BatchNorm layer {!r} on device {!r}: NaN or Inf in its input (blob {!r}) in channels {} at "
             "iteration {} of {}; no stats were fed and the running stats were restored{}".format(
-                b.layer, b.device or "<unscoped>", b.x, np.flatnonzero(~np.isfinite(stats))[:5].tolist(),
+                b.layer, b.device or "<unscoped>", b.x, np.flatnonzero(~np.isfinite(var))[:5].tolist(),
                 self.iteration, self.aux.opts.num_batches, _cancelled_text(cancelled)))
 
     def collect(self) -> List[PopulationStats]:
+        """Merge the pending calls: the layers whose calls counted the same elements go through
+        one :func:`~precise_bn.estimator.combine_calls` together (a handful of operators for all
+        of them instead of for each), then each takes its channels' part."""
+        groups: Dict[Tuple[int, ...], List[_Calls]] = {}
         for calls in self._calls:
-            calls.merge()
+            if calls.counts:
+                groups.setdefault(tuple(calls.counts), []).append(calls)
+        for counts, members in groups.items():
+            means, variances = (torch.cat([calls.block[i, :len(counts)] for calls in members], dim=1) for i in (0, 1))
+            center = torch.cat([calls.stats.center_for(calls.block[0, 0]) for calls in members])
+            combined = combine_calls(means, variances, list(counts), center)
+            for calls, part in zip(members, combined.split([calls.stats.num_channels for calls in members])):
+                calls.stats.add(part)
+                calls.counts = []
         return self.stats
 
     def finish(self, results: Sequence[Optional[Stats]]) -> None:
@@ -252,13 +267,10 @@ def _cancelled_text(layers: Sequence[str]) -> str:
 
 
 class _Calls:
-    """A layer's calls not merged yet: their float64 means and variances, one row each, merged
-    a block at a time (:func:`~precise_bn.estimator.combine_calls`): a handful of operators per
-    block instead of per call."""
+    """A layer's calls not merged yet: their float64 means and variances, one row each."""
 
-    def __init__(self, stats: PopulationStats):
+    def __init__(self, stats: PopulationStats, rows: int):
         self.stats = stats
-        rows = max(8, min(64, (1 << 16) // max(stats.num_channels, 1)))
         self.block = torch.empty(2, rows, stats.num_channels, dtype=torch.float64)
         self.values = self.block.numpy()
         self.counts: List[int] = []
@@ -269,14 +281,6 @@ class _Calls:
         return self.values[0, k], self.values[1, k]
 
     def add(self, count: int) -> None:
-        """Keep the row just written, for ``count`` elements per channel (none kept for 0)."""
+        """Keep the row just written, for ``count`` elements per channel (nothing kept for 0)."""
         if count:
             self.counts.append(count)
-            if len(self.counts) == self.block.shape[1]:
-                self.merge()
-
-    def merge(self) -> None:
-        if self.counts:
-            means, variances = self.block[0, :len(self.counts)], self.block[1, :len(self.counts)]
-            self.stats.add(combine_calls(means, variances, self.counts, self.stats.center_for(means[0])))
-            self.counts = []

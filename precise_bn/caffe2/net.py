@@ -203,8 +203,8 @@ def find_bn_layers(aux: Any, devices: Sequence[str]) -> Dict[str, List[BNBlobs]]
 
     A layer is a train-mode SpatialBN op of ``aux``; its device is the ``{prefix}_{i}`` name
     scope of its scale parameter (``""`` for an unscoped single-device net). Every device must
-    hold the same layers, and a layer must run once per net run (its saved stats are
-    overwritten by a second call). Each layer keeps the epsilon its kernel used for ``siv``.
+    hold the same layers, each run once per net run. Each layer keeps the epsilon its kernel used
+    for ``siv``.
     """
     by_device: Dict[str, Dict[str, BNBlobs]] = {device: {} for device in devices}
     for op in aux.op:
@@ -220,10 +220,9 @@ def find_bn_layers(aux: Any, devices: Sequence[str]) -> Dict[str, List[BNBlobs]]
             )
         if layer in by_device[device]:
             raise LayerError(
-                "SpatialBN layer {!r} on device {!r} runs more than once per net run: its saved "
-                "batch stats {!r} keep only the last call, so it cannot be measured".format(
-                    layer, device or "<unscoped>", op.output[3]
-                )
+                "SpatialBN layer {!r} on device {!r} runs more than once per net run (two SpatialBN "
+                "ops share its parameters); the Caffe2 backend measures one call per layer and device "
+                "and run: give each op its own scale, bias and running stats".format(layer, device or "<unscoped>")
             )
         eps_arg = _arg(op, "epsilon")
         by_device[device][layer] = BNBlobs(
