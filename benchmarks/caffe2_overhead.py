@@ -265,12 +265,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     add_common_arguments(parser)
     parser.add_argument("--original", type=Path, default=None,
                         help="a video-nonlocal-net checkout: time its BatchNormHelper too (default: skipped)")
-    parser.add_argument("--iters", type=int, default=None, help="aux net runs per timed call (default 20, quick 2)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions, order rotated (default 11, quick 1)")
+    parser.add_argument("--iters", type=int, default=None, help="aux net runs per timed call (default 50, quick 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions, order rotated (default 7, quick 1)")
     parser.set_defaults(threads=1)  # CPU time of more threads counts their spinning on a busy machine
     args = parse_common(parser, argv)
-    iters = args.iters or (2 if args.quick else 20)
-    reps = args.reps or (1 if args.quick else 11)
+    iters = args.iters or (2 if args.quick else 50)
+    reps = args.reps or (1 if args.quick else 7)
     original = Original(args.original.resolve()) if args.original is not None else None
     rows, targets = [], []
     for net in QUICK if args.quick else FULL:

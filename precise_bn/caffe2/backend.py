@@ -58,7 +58,7 @@ class Caffe2AuxModel:
         data: optional iterable of ``{blob name: ndarray}`` fed before each run (re-iterated when
             it runs out); None for nets with their own reader ops.
         settings: the helper's settings (``num_gpus``, ``root_gpu_id``, ``device_prefix``,
-            ``bn_epsilon``). ``siv`` is undone with the epsilon each op's kernel used (its
+            ``bn_epsilon``). Each layer reports the epsilon its op normalises with (its
             ``epsilon`` argument, else Caffe2's 1e-5); a ``bn_epsilon`` that differs from it is
             logged as a warning, since the config then disagrees with the net.
         opts: the pass's options (``num_batches`` is the helper's ``iters``; ``exact`` changes

@@ -203,8 +203,7 @@ def find_bn_layers(aux: Any, devices: Sequence[str]) -> Dict[str, List[BNBlobs]]
 
     A layer is a train-mode SpatialBN op of ``aux``; its device is the ``{prefix}_{i}`` name
     scope of its scale parameter (``""`` for an unscoped single-device net). Every device must
-    hold the same layers, each run once per net run. Each layer keeps the epsilon its kernel used
-    for ``siv``.
+    hold the same layers, each run once per net run. Each layer keeps its op's epsilon.
     """
     by_device: Dict[str, Dict[str, BNBlobs]] = {device: {} for device in devices}
     for op in aux.op:

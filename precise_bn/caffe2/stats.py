@@ -46,6 +46,8 @@ def _sums(blocks: np.ndarray, shift: np.ndarray, buffer: np.ndarray) -> Tuple[np
     ``(k, m, q)`` values that fill at most ``CHUNK``: whole samples while they fit, else some
     channels of one sample, else part of one channel's positions."""
     samples, channels, positions = blocks.shape
+    if blocks.size <= CHUNK:
+        return _block_sums(blocks, torch.from_numpy(shift), buffer)
     q = min(positions, CHUNK)
     m = min(channels, CHUNK // q)
     k = max(1, CHUNK // (m * q)) if m == channels else 1
@@ -55,10 +57,14 @@ def _sums(blocks: np.ndarray, shift: np.ndarray, buffer: np.ndarray) -> Tuple[np
         offset = torch.from_numpy(shift[part])
         for start in range(0, samples, k):
             for position in range(0, positions, q):
-                block = blocks[start:start + k, part, position:position + q]
-                y = buffer[:block.size].reshape(block.shape)
-                np.copyto(y, block)  # the float64 cast; torch 1.10's is slower on the CPU
-                torch.from_numpy(y).sub_(offset)  # numpy's broadcast along the last axis is slower
-                s1[part] += y.sum(axis=(0, 2))
-                s2[part] += np.einsum("kcp,kcp->c", y, y)
+                a, b = _block_sums(blocks[start:start + k, part, position:position + q], offset, buffer)
+                s1[part] += a
+                s2[part] += b
     return s1, s2
+
+
+def _block_sums(block: np.ndarray, offset: torch.Tensor, buffer: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    y = buffer[:block.size].reshape(block.shape)
+    np.copyto(y, block)  # the float64 cast; torch 1.10's is slower on the CPU
+    torch.from_numpy(y).sub_(offset)  # numpy's broadcast along the last axis is slower
+    return y.sum(axis=(0, 2)), np.einsum("kcp,kcp->c", y, y)
