@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -114,6 +116,8 @@ class Original:
         self.workspace = workspace
         self.proto_dir = tempfile.mkdtemp(prefix="bn_aux_pbtxt_")
         self.curr_iter = 0
+        found = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        self.revision = "commit {}".format(found.stdout.strip()) if found.returncode == 0 else "an unknown revision"
 
     def _builder(self, name: str, **_: Any) -> Any:
         """Its ``ModelBuilder(...)``: ``build_model`` gives the benchmark's forward net, named
@@ -271,6 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_common(parser, argv)
     iters = args.iters or (2 if args.quick else 50)
     reps = args.reps or (1 if args.quick else 7)
+    load = os.getloadavg()[0]
     original = Original(args.original.resolve()) if args.original is not None else None
     rows, targets = [], []
     for net in QUICK if args.quick else FULL:
@@ -285,12 +290,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     table = markdown_table(
         ["net", "batch per device", "BN layers x devices", "plain CPU ms/iter", "precise-bn / plain (range)",
          "precise-bn / original (range)", "largest variance gap, precise-bn vs original"], rows)
-    compared = ("The original is {} (`--original`).".format(
-        "video-nonlocal-net's `lib/utils/bn_helper.py` at the checkout given") if original is not None else
-        "The comparison with the original `BatchNormHelper` was skipped: no `--original` checkout was given.")
+    compared = ("The original: video-nonlocal-net's `lib/utils/bn_helper.py` at {} (a checkout of "
+                "github.com/facebookresearch/video-nonlocal-net, given with `--original`).".format(original.revision)
+                if original is not None else
+                "The comparison with the original `BatchNormHelper` was skipped: no `--original` checkout was given.")
     body = "\n\n".join(section_head("Caffe2 backend: cost over the original helper and a plain RunNet loop", argv) + [
         "{} iterations per call, {} repetitions, order rotated; medians of per-repetition ratios of process "
-        "CPU time (range in brackets). {}".format(iters, reps, compared),
+        "CPU time (range in brackets); load average {:.1f} at the start on {} cores shared with other jobs. "
+        "{}".format(iters, reps, load, os.cpu_count(), compared),
         table,
         "\n".join(targets) if targets else "No target checked (it needs `--original`).",
         "The gap column compares the variances the two helpers write, relative: on this data, whose means "

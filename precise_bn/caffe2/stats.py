@@ -2,10 +2,11 @@
 
 Each channel is shifted by one of its own values ``c`` (its first): ``y = x - c`` is exact in
 float64 for a float32 ``x``, a constant channel gives ``y = 0`` and a variance of exactly 0, and
-the float64 sums of ``y`` and ``y^2`` cannot cancel: ``(c - mean)^2`` is at most ``n`` times the
-variance, so ``var = (s2 - s1^2 / n) / n`` keeps all but about ``log2(n)`` of float64's 53 bits,
-whatever the mean over the std (docs/caffe2.md derives it). ``y`` is formed a chunk at a time in
-a float64 buffer that stays in the CPU's cache until it is summed.
+with ``d = c - mean``, ``var = (s2 - s1^2 / n) / n`` from the float64 sums of ``y`` and ``y^2``
+cancels only ``d^2``: its relative error is the sums' times ``1 + d^2 / var``, whatever the mean
+over the std. Should ``c`` lie more than :data:`FAR` stds from the mean (a value far out in the
+tail), the call is measured again around its mean rounded to float32. ``y`` is formed a chunk at
+a time in a float64 buffer that stays in the CPU's cache until it is summed (docs/caffe2.md).
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import torch
 
 #: Float64 values of ``y`` formed at a time: the size of the buffer :func:`measure_input` needs.
 CHUNK = 1 << 15
+#: How many standard deviations from the mean a shift may lie before the call is measured again
+#: around its mean: the variance's relative error is the sums' times ``1 + FAR^2`` at most.
+FAR = 32.0
 
 
 def measure_input(x: np.ndarray, axis: int, out: Tuple[np.ndarray, np.ndarray], buffer: np.ndarray) -> int:
@@ -28,17 +32,26 @@ def measure_input(x: np.ndarray, axis: int, out: Tuple[np.ndarray, np.ndarray], 
     # (samples, channels, positions), the last axis contiguous: NCHW as (N, C, H x W), NHWC as
     # (N x H x W, C, 1).
     blocks = x.reshape(x.shape[0], channels, -1) if axis == 1 else x.reshape(-1, channels, 1)
-    shift = blocks[0, :, :1].astype(np.float64)
+    if _moments(blocks, blocks[0, :, :1].astype(np.float64), out, buffer):
+        # A first value far out in its channel's tail: measure again around the mean.
+        _moments(blocks, out[0].astype(np.float32).astype(np.float64)[:, None], out, buffer)
+    return x.size // channels
+
+
+def _moments(blocks: np.ndarray, shift: np.ndarray, out: Tuple[np.ndarray, np.ndarray], buffer: np.ndarray) -> bool:
+    """Mean and variance around ``shift`` into ``out``; whether the shift lay more than
+    ``FAR`` standard deviations from the mean in some channel."""
     s1, s2 = _sums(blocks, shift, buffer)
-    count = x.size // channels
+    count = blocks.size // blocks.shape[1]
     mean, var = out
-    np.divide(s1, count, out=mean)
+    np.divide(s1, count, out=mean)  # the mean's offset from the shift, for now
     np.multiply(s1, mean, out=var)
     np.subtract(s2, var, out=var)
     np.maximum(var, 0.0, out=var)
     var /= count
+    far = bool(np.any(mean * mean > FAR * FAR * var))
     mean += shift[:, 0]
-    return count
+    return far
 
 
 def _sums(blocks: np.ndarray, shift: np.ndarray, buffer: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
