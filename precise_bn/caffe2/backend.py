@@ -194,6 +194,9 @@ class _Caffe2Pass:
     def running(self) -> Any:
         return contextlib.nullcontext()
 
+    def plan(self, batches: Optional[int]) -> None:
+        """Nothing to prepare: the Caffe2 backend compiles nothing."""
+
     def step(self, feeds: Optional[Feeds]) -> int:
         """Feed and run the net, then measure every device's input of every layer in float64
         (:func:`~precise_bn.caffe2.stats.measure_input`); return the samples."""
