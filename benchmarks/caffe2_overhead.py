@@ -304,7 +304,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "are small next to the stds, the original's float32 statistics are close to the float64 ones. "
         "What precise-bn adds per BN layer, device and iteration: reading the layer's input where it lies "
         "(no copy on the CPU) and one float64 pass over it, in chunks that stay in cache, of the order of "
-        "the SpatialBN kernel's own cost; per call, the merge of the calls and the report.",
+        "the SpatialBN kernel's own cost; per call, the merge of the calls and the report. The smaller a "
+        "net's BN inputs are next to its convolutions, the more the fixed part of that weighs: on the small "
+        "net (32,768 values per input) the Python calls around each float64 pass, and reading each input "
+        "back from memory once the run is over, cost about as much as the pass itself, and that share grows "
+        "when other jobs compete for the caches. Measuring each input while it is still in cache (inside "
+        "the net), one compiled loop instead of four numpy passes over each chunk, or one pass over several "
+        "small inputs at a time would close the rest; none is done.",
         "### What each writes when the mean is far from zero",
         "One SpatialBN reading the data on both devices (5 and 3 samples of 3 x 8 x 8, {} iterations), "
         "channels of std 1, 2 and 0.5 whose means are the given multiple of their std: the largest relative "
