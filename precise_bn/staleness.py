@@ -1,13 +1,13 @@
 """Whether a model's stored BN statistics fit its data: the rule behind ``precise_bn.check``.
 
 A channel's stored mean (variance) is *off* when it differs from the measured one by more than
-the tolerance and by more than sampling explains: a one-sided Student's t test of the excess
-over the tolerance, the measured standard error counted twice (the stored statistics came from
-a sample of similar size), with ``calls - 1`` degrees of freedom. Holm's step-down over every
-test of the model keeps the chance of calling any channel off whose true drift is within the
-tolerance at ``alpha`` or less, however many channels and however they are correlated. A layer
-is stale when one of its channels is off. Derivation and measured false-alarm rates:
-docs/check.md.
+the tolerance and by more than sampling explains: Student's t with ``calls - 1`` degrees of
+freedom on how far the drift lies beyond the tolerance (for the variance, on the log of the
+ratio), the measured standard error counted for both sides (the stored statistics came from a
+sample of similar size). Holm's step-down over every test of the model keeps the chance of
+calling any channel off whose true drift is within the tolerance at ``alpha`` or less, however
+many channels and however they are correlated. A layer is stale when one of its channels is
+off. Derivation and measured false-alarm rates: docs/check.md.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def holm(p: torch.Tensor) -> torch.Tensor:
 class Worst:
     """One channel's figures: its stored and measured value of one statistic, the drift (mean
     in std units, variance relative), the drift's standard error in the same units, the
-    tolerance and the Holm-adjusted p-value of "the drift exceeds the tolerance"."""
+    tolerance and the Holm-adjusted p-value of "the true drift is within the tolerance"."""
 
     channel: int
     statistic: str
@@ -124,11 +124,10 @@ class Worst:
     p: float
 
     def describe(self) -> str:
-        unit = "std" if self.statistic == "mean" else "relative"
+        what, unit = ("mean", "std") if self.statistic == "mean" else ("variance", "relative")
         return ("channel {}'s {}: stored {:.6g}, measured {:.6g}: drift {:.3g} ({}), tolerance {:g}, standard "
-                "error {:.2g}; p = {:.2g}").format(self.channel, "mean" if self.statistic == "mean" else "variance",
-                                                   self.stored, self.measured, self.drift, unit, self.tolerance,
-                                                   self.stderr, self.p)
+                "error {:.2g}; p = {:.2g}").format(self.channel, what, self.stored, self.measured, self.drift, unit,
+                                                   self.tolerance, self.stderr, self.p)
 
 
 @dataclass
@@ -175,14 +174,12 @@ class LayerFit:
     @property
     def worst(self) -> Optional[Worst]:
         """The channel and statistic with the smallest adjusted p-value (among equals, the
-        largest excess over the tolerance in standard errors); None when nothing was tested."""
+        largest drift in standard errors); None when nothing was tested."""
         p = torch.stack([self.p[key] for key in STATISTICS])
         if not p.numel() or bool(p.isnan().all()):
             return None
         p = torch.where(p.isnan(), torch.full_like(p, math.inf), p)
-        tolerance = torch.tensor(self.rule.tolerance, dtype=p.dtype).view(2, 1)
-        excess = (torch.stack([self.drift[key] for key in STATISTICS]) - tolerance) / torch.stack(
-            [self.stderr[key] for key in STATISTICS])
+        excess = torch.stack([self.drift[key] / self.stderr[key] for key in STATISTICS])
         excess = torch.where(p == p.min(), excess, torch.full_like(excess, -math.inf))
         index, channel = divmod(int(excess.argmax()), p.shape[1])
         stored, measured = (self.layer.old_mean, self.layer.new_mean) if index == 0 else \
@@ -204,31 +201,44 @@ class LayerFit:
 Tests = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
 
 
+def _interval_p(estimate: torch.Tensor, low: float, high: float, se: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
+    """The p-value of "the true value lies in [low, high]" for ``estimate`` of standard error
+    ``se``: at the nearest edge, the chance of landing this far outside on either side."""
+    outside = torch.max(estimate - high, low - estimate) / se
+    return (t_tail(outside, dof) + t_tail(outside + (high - low) / se, dof)).clamp(max=1.0)
+
+
 def _tests(layer: LayerReport, rule: Rule) -> Tests:
     """Per statistic, each channel's drift and standard error in the tolerance's units and its
-    p-value before Holm's adjustment (NaN where it cannot be tested, see :data:`DEFINITIONS`)."""
+    p-value before Holm's adjustment (NaN where it cannot be tested, see :data:`DEFINITIONS`).
+
+    The mean is tested on its offset in std units; the variance on the log of its ratio
+    ``(stored + eps) / (measured + eps)`` (the relative drift is that ratio minus 1), whose
+    Student's t is far closer to the truth than the ratio's own for skewed per-call variances."""
     if not layer.ran:
         nan = torch.full(layer.old_mean.shape, math.nan, dtype=torch.float64)
         return {key: nan for key in STATISTICS}, {key: nan for key in STATISTICS}, {key: nan for key in STATISTICS}
     assert layer.new_mean is not None and layer.new_var is not None
     assert layer.mean_stderr is not None and layer.var_stderr is not None
     scale = layer.new_var + layer.eps
+    stored = layer.old_var + layer.eps
+    offset = (layer.old_mean - layer.new_mean) / scale.sqrt()
+    inf = torch.full_like(scale, math.inf)  # a stored NaN or inf, or a negative variance, is off
+    mean_ok, var_ok = torch.isfinite(layer.old_mean), torch.isfinite(layer.old_var) & (stored > 0)
+    estimates = {"mean": torch.where(mean_ok, offset, inf), "var": torch.where(var_ok, (stored / scale).log(), inf)}
+    drift = {"mean": torch.where(mean_ok, offset.abs(), inf), "var": torch.where(var_ok, (stored / scale - 1).abs(), inf)}
+    stderr = {"mean": PAIRED * layer.mean_stderr / scale.sqrt(), "var": PAIRED * layer.var_stderr / scale}
+    mean_tol, var_tol = rule.tolerance
+    bounds = {"mean": (-mean_tol, mean_tol), "var": (math.log1p(-var_tol) if var_tol < 1 else -math.inf,
+                                                     math.log1p(var_tol))}
+    dof = torch.tensor(min(float(layer.calls - 1), MAX_DOF), dtype=torch.float64)
     trusted = layer.new_var > 0
     trusted[layer.se_untrusted] = False
-    drift = {"mean": (layer.old_mean - layer.new_mean).abs() / scale.sqrt(),
-             "var": (layer.old_var - layer.new_var).abs() / scale}
-    for key, stored in (("mean", layer.old_mean), ("var", layer.old_var)):  # NaN or inf stored: off
-        drift[key] = torch.where(torch.isfinite(stored), drift[key], torch.full_like(drift[key], math.inf))
-    stderr = {"mean": PAIRED * layer.mean_stderr / scale.sqrt(), "var": PAIRED * layer.var_stderr / scale}
-    dof = torch.tensor(min(float(layer.calls - 1), MAX_DOF), dtype=torch.float64)
     raw = {}
-    for tolerance, key in zip(rule.tolerance, STATISTICS):
+    for key in STATISTICS:
         tested = trusted & (stderr[key] > 0)  # False for NaN (a single call)
-        se = stderr[key][tested]
-        excess = (drift[key][tested] - tolerance) / se
-        raw[key] = torch.full_like(drift[key], math.nan)
-        # The p-value at the edge of the null, a true drift of +-tolerance: either side.
-        raw[key][tested] = (t_tail(excess, dof) + t_tail(excess + 2.0 * tolerance / se, dof)).clamp(max=1.0)
+        raw[key] = torch.full_like(scale, math.nan)
+        raw[key][tested] = _interval_p(estimates[key][tested], *bounds[key], stderr[key][tested], dof)
     return drift, stderr, raw
 
 
@@ -297,9 +307,9 @@ DEFINITIONS = {
                        "errors are zero or cannot be trusted (se_untrusted), is not tested",
     "mean_drift": "largest |stored mean - measured mean| / sqrt(measured var + eps) over the layer's channels",
     "var_drift": "largest |stored var - measured var| / (measured var + eps) over the layer's channels",
-    "p": "smallest over the layer's channels of the Holm-adjusted p-value that the drift exceeds the tolerance "
-         "(Student's t, the measured standard error counted for both sides); the layer is stale when it is at "
-         "most alpha",
+    "p": "smallest over the layer's channels of the Holm-adjusted p-value of \"the true drift is within the "
+         "tolerance\" (Student's t, the measured standard error counted for both sides); the layer is stale when "
+         "it is at most alpha",
 }
 
 
