@@ -65,7 +65,10 @@ def test_stale_statistics_exit_1_naming_each_layer_and_the_fix_that_works(files,
     capsys.readouterr()
     fixed = run_cli(capsys, "check", output, *_args(files)[1:])
     assert fixed.returncode == 0, fixed
-    assert "every layer fits" in fixed.stdout.splitlines()[0] and "stale: layer" not in fixed.stdout
+    assert fixed.stdout.splitlines()[0].endswith("every layer fits") and "stale: layer" not in fixed.stdout
+    assert len(fixed.stdout.splitlines()) == 1  # -q: the verdict, without the table
+    table = run_cli(capsys, "check", output, *[a for a in _args(files)[1:] if a != "-q"])
+    assert table.returncode == 0 and any(line.split()[-1] == "fits" for line in table.stdout.splitlines()[2:6])
 
 
 def test_the_report_is_the_only_write_and_refuses_to_replace_a_file(files, capsys, tmp_path):

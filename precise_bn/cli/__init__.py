@@ -90,7 +90,7 @@ def _check(args: argparse.Namespace) -> int:
         report = check_checkpoint(args.checkpoint, args.model, args.data, tolerance=tuple(args.tolerance),
                                   alpha=args.alpha, report_path=args.report, **_job_arguments(args))
         if distributed.is_main_process():
-            print(report)
+            print(report.summary() if args.quiet else report)  # -q: the verdict without the table
             for line in verdict_lines(report, args):
                 print(line)
     return 1 if report.stale else 0
