@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import budget  # noqa: E402
 import calibration  # noqa: E402
+import check as check_study  # noqa: E402
 import common  # noqa: E402
 import compare  # noqa: E402
 import cost  # noqa: E402
@@ -54,6 +55,14 @@ def test_the_calibration_study_runs_quick_and_writes_its_page(tmp_path):
     calibration.main(["--quick", "--out", str(tmp_path)])
     text = (tmp_path / "CALIBRATION.md").read_text(encoding="utf-8")
     assert all("| {} |".format(kind) in text for kind in calibration.KINDS) and "| 0.3 |" in text
+
+def test_the_check_study_runs_quick_and_writes_its_page(tmp_path):
+    check_study.main(["--quick", "--out", str(tmp_path)])
+    text = (tmp_path / "CHECK.md").read_text(encoding="utf-8")
+    assert "Command: `python " in text and " --quick --out " in text
+    for row in ("| pruned conv 6 | 7, 11 |", "| noisy conv 0 |", "| 1 | ", "| Holm, alpha 0.01 |", "| log var ratio |"):
+        assert row in text, row
+
 
 def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernels):
     threads = torch.get_num_threads()
