@@ -16,7 +16,7 @@ import torch
 from cli_helpers import REPO, TESTS, TRUST, load, run_cli
 from precise_bn.cli import main
 from precise_bn.digits import load_digits, make_model, train
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 MODEL = "precise_bn.digits:make_model"
 
@@ -93,7 +93,7 @@ def test_the_report_is_the_only_write_and_refuses_to_replace_a_file(files, capsy
     (["--tolerance", "-0.1", "0.1"], "argument --tolerance: tolerance must be two numbers >= 0"),
     (["--tolerance", "0.1"], "argument --tolerance: expected 2 arguments"),
     (["--alpha", "0"], "argument --alpha: alpha must be a number in (0, 1)"),
-    (["--rtol", "2"], "argument --rtol: rtol must be a number in (0, 1)"),
+    (["--rtol", "2"], "argument --rtol: expected a number between 0 and 1, such as 0.01, got 2"),
     (["--prior", "10"], "unrecognized arguments: --prior"),
     (["--output", "x.pt"], "unrecognized arguments: --output"),
 ])
@@ -124,6 +124,6 @@ def test_under_torchrun_the_ranks_merge_and_agree(tmp_path):
     reference = float64_reference(model, list(train_x[:24].split(4)))
     for layer in body["measurement"]["layers"]:
         mean, var, _ = reference[layer["name"]]
-        assert_close_default(torch.tensor(layer["new_mean"]), torch.tensor(layer["new_var"]), mean, var, layer["name"])
+        assert_close_exact(torch.tensor(layer["new_mean"]), torch.tensor(layer["new_var"]), mean, var, layer["name"])
         state = load(tmp_path / "c.pt")["model"]
         assert torch.equal(torch.tensor(layer["old_mean"], dtype=torch.float32), state[layer["name"] + ".running_mean"])
