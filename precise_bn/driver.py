@@ -55,6 +55,9 @@ class Backend(Protocol):
     empty_reason: str
     #: Why this backend's kernel statistics may be untrusted, for the warning that names them.
     untrusted_reason: str
+    #: Once the batches are run: modules whose running statistics a forward changed outside the
+    #: measured layers (a functional ``batch_norm``), put back and not recomputed.
+    not_recomputed: Sequence[str]
 
     def old_stats(self) -> List[Stats]:
         """Each layer's running mean and variance before the pass, float64 on the CPU."""
@@ -259,6 +262,16 @@ def name_untrusted(backend: Backend, stats: Sequence[PopulationStats], report: B
                  len(named), UNTRUSTED_RTOL, backend.untrusted_reason, "; ".join(named)))
 
 
+def name_not_recomputed(backend: Backend, report: BNReport) -> None:
+    """Fill ``BNReport.not_recomputed`` and name those modules in one warning."""
+    report.not_recomputed = list(backend.not_recomputed)
+    if report.not_recomputed:
+        warn("not recomputed: {}: a functional batch_norm call changed their running statistics during the "
+             "pass, which precise-bn does not measure, so they were put back as they were. A BatchNorm layer "
+             "(torch.nn.BatchNorm1d/2d/3d or a subclass) in its place would be recomputed".format(
+                 ", ".join(report.not_recomputed)))
+
+
 def build_report(
     names: Sequence[str],
     old: Sequence[Stats],
@@ -364,6 +377,7 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
         name_untrusted(backend, outcome.stats, report)
+        name_not_recomputed(backend, report)
         logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                     report.samples, report.seconds, report.stop)
         ranks.exchange(ACTIVE, round_="end")

@@ -166,6 +166,7 @@ class _Caffe2Pass:
     """One pass of the driver over a :class:`Caffe2AuxModel` (see :class:`precise_bn.driver.Backend`)."""
 
     empty_reason = "the net has no SpatialBN layer"
+    not_recomputed: Sequence[str] = ()
 
     def __init__(self, aux: Caffe2AuxModel):
         self.aux = aux
