@@ -26,6 +26,7 @@ import demo_seeds  # noqa: E402
 import exact_attack  # noqa: E402
 import exact_cost  # noqa: E402
 import interleaved  # noqa: E402
+import memory  # noqa: E402
 import methods  # noqa: E402
 import overhead  # noqa: E402
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.main_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved, "budget": budget,
-            "exact": exact_cost, "attack": exact_attack, "demo": demo_seeds}
+            "exact": exact_cost, "attack": exact_attack, "demo": demo_seeds, "memory": memory}
 
 
 def test_the_calibration_study_runs_quick_and_writes_its_page(tmp_path):
@@ -58,7 +59,8 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path):
     assert "| seed | EMA accuracy |" in text and "Over 2 seeds" in text
     for variant in ("| identical |", "| empty hook |", "| capture |", "| rtol=0.01 |", "| 1 process |"):
         assert variant in text
-    for png in ("scaling.png", "memory.png", "budget.png"):
+    assert "| bn_mlp + 1 MiB buffer |" in text
+    for png in ("scaling.png", "memory.png", "budget.png", "pass_memory.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
 
 
