@@ -1,13 +1,11 @@
 """One forward-only measurement pass over a PyTorch model: attach, measure, then restore or write.
 
 The guarantee: a pass changes the chosen layers' ``running_mean`` and ``running_var`` and nothing
-else, and if the call that owns it raises, whatever the exception and wherever it is raised,
-the model is bit-identical to before (every buffer, attribute, class, momentum and train flag:
-see :mod:`.model_state`, which also says why a parameter the forward writes in place is refused
-rather than copied). How:
+else, and if the call that owns it raises, whatever the exception and wherever it is raised, the
+model is bit-identical to before (every buffer, attribute, class, momentum and train flag, kept by
+:mod:`.model_state`, which says why a parameter the forward writes in place is refused rather
+than copied). How:
 
-* the model's state is kept before anything changes; fake-quantize modules stop learning
-  ranges for the pass, so every forward quantizes as the model will afterwards;
 * every change to the model (attaching the captures, restoring, writing) runs inside a
   :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
 * a failure anywhere else (a forward, the merge, the report, a warning turned into an error)
@@ -114,7 +112,7 @@ class BNPass:
         try:
             with critical(), torch.no_grad():
                 self.state = ModelState(self.model, module_names(named_modules(self.model)))
-                self.state.freeze_observers()
+                self.state.freeze_observers()  # the forwards quantize as the model will afterwards
                 for capture, (_, module) in zip(self.captures, self.layers):
                     self._attached.append((capture, module))
                     capture.attach(module)
