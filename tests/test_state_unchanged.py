@@ -472,7 +472,7 @@ SUBPROCESS_CASES = {"exported-resize": _exported_resize, "exported-resize-in-a-b
 @pytest.mark.parametrize("case", list(SUBPROCESS_CASES))
 def test_a_half_made_resize_of_an_exported_buffer_is_never_written_through(case):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, timeout=1200, env=env)
     assert done.returncode == 0, "exit {}: {}".format(done.returncode, done.stderr[-3000:])
     assert done.stdout.strip().endswith("ok " + case)
 
