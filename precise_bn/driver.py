@@ -54,6 +54,9 @@ class Backend(Protocol):
     #: The dtype of each layer's running buffers: what the results must fit in.
     dtypes: List[torch.dtype]
     empty_reason: str
+    #: Once the batches are run: modules whose running statistics a forward changed outside the
+    #: measured layers (a functional ``batch_norm``), put back and not recomputed.
+    not_recomputed: Sequence[str]
 
     def old_stats(self) -> List[Stats]:
         """Each layer's running mean and variance before the pass, float64 on the CPU."""
@@ -225,6 +228,16 @@ def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[
     return [s.finalize(unbiased) if s.count else None for s in stats]
 
 
+def name_not_recomputed(backend: Backend, report: BNReport) -> None:
+    """Fill ``BNReport.not_recomputed`` and name those modules in one warning."""
+    report.not_recomputed = list(backend.not_recomputed)
+    if report.not_recomputed:
+        warn("not recomputed: {}: a functional batch_norm call changed their running statistics during the "
+             "pass, which precise-bn does not measure, so they were put back as they were. A BatchNorm layer "
+             "(torch.nn.BatchNorm1d/2d/3d or a subclass) in its place would be recomputed".format(
+                 ", ".join(report.not_recomputed)))
+
+
 def build_report(
     names: Sequence[str],
     old: Sequence[Stats],
@@ -334,6 +347,7 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         if opts.prior:
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
+        name_not_recomputed(backend, report)
         logger.info("%s: %s (%s) read in %.2f s; stopped: %s", label, counted(report.batches, "batch", "batches"),
                     counted(report.samples, "sample"), report.seconds, report.stop)
         ranks.exchange(ACTIVE, round_="end")

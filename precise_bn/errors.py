@@ -34,6 +34,12 @@ class LayerError(PreciseBNError):
     """A BatchNorm layer cannot be recalibrated as asked (unmaterialised, not tracking stats, ...)."""
 
 
+class ParameterChangedError(PreciseBNError):
+    """The model's forward wrote a parameter in place during a pass; the message names it. No
+    statistics were written and every buffer was put back; that parameter holds what the
+    forward wrote (precise-bn keeps no copy of the parameters)."""
+
+
 class DistributedError(PreciseBNError):
     """Another rank failed, timed out or disagrees on what is merged; no rank changed its model."""
 

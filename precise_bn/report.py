@@ -171,7 +171,8 @@ class BNReport:
     each column means (large drifts marked, see :data:`LARGE_DRIFT`).
 
     ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
-    count what was read, summed over ranks.
+    count what was read, summed over ranks. ``not_recomputed`` names the modules whose running
+    statistics a functional ``batch_norm`` call changed during the pass: put back, not recomputed.
     """
 
     layers: List[LayerReport] = field(default_factory=list)
@@ -182,6 +183,7 @@ class BNReport:
     seconds: float = 0.0
     stop: str = "data"
     rtol: Optional[float] = None
+    not_recomputed: List[str] = field(default_factory=list)
     snapshot: Optional[Snapshot] = field(default=None, repr=False, compare=False)
 
     @all_or_nothing
@@ -225,6 +227,7 @@ class BNReport:
             "stop": self.stop,
             "rtol": self.rtol,
             "unused": self.unused,
+            "not_recomputed": list(self.not_recomputed),
             "definitions": dict(DEFINITIONS),
             "layers": [layer.to_dict(with_stats) for layer in self.layers],
         }
@@ -256,6 +259,8 @@ class BNReport:
                                         _cell(layer.var_rel_stderr), w=width))
             else:
                 rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
+        if self.not_recomputed:
+            rows.append("not recomputed (a functional batch_norm, put back): " + ", ".join(self.not_recomputed))
         rows.append(legend(list(COLUMNS)))
         if any(layer.ran and max(layer.mean_drift, layer.var_drift) >= LARGE_DRIFT for layer in self.layers):
             rows.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(

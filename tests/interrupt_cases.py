@@ -3,8 +3,9 @@ model is as it was" means, bit for bit.
 
 The model has every kind of BN layer the capture treats differently (the kernel called
 directly, a subclass's own forward, no affine parameters, momentum None), a layer in eval mode
-that must not be touched, and hooks on two layers; each case knows the state it starts from
-and the state an undisturbed call leaves.
+that must not be touched, hooks on two layers, and a module with state of its own that a pass
+holds still and puts back (an observer's switch, the range it learns, a call counter); each case
+knows the state it starts from and the state an undisturbed call leaves.
 """
 from __future__ import annotations
 
@@ -50,18 +51,36 @@ class Block(nn.Module):
         return x + self.bn(x)
 
 
+class Observer(nn.Module):
+    """Learns the largest magnitude of each channel while its switch is on (as a fake-quantize
+    module's observer does) and counts its calls: a pass turns the switch off and puts all back."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.register_buffer("observer_enabled", torch.ones(1, dtype=torch.uint8))
+        self.register_buffer("max_val", torch.zeros(channels))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.observer_enabled[0] == 1:
+            torch.maximum(self.max_val, x.detach().abs().amax(0), out=self.max_val)
+        return x
+
+
 class Deep(nn.Module):
-    """``blocks`` residual BN blocks, then a BatchNorm1d head; hooks on two layers."""
+    """``blocks`` residual BN blocks, an observer, then a BatchNorm1d head; hooks on two layers."""
 
     def __init__(self, blocks: int, channels: int = 4):
         super().__init__()
         self.blocks = nn.Sequential(*(Block(channels, KINDS[i % len(KINDS)]) for i in range(blocks)))
+        self.observer = Observer(channels)
         self.head = nn.BatchNorm1d(channels)
         self.blocks[0].bn.register_forward_hook(lambda m, i, o: None)
         self.head.register_forward_pre_hook(lambda m, i: None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x).mean((2, 3)))
+        return self.head(self.observer(self.blocks(x).mean((2, 3))))
 
 
 def make_model(blocks: int, seed: int = 0) -> Deep:

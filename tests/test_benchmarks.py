@@ -29,6 +29,7 @@ import demo_seeds  # noqa: E402
 import exact_attack  # noqa: E402
 import fresh_process  # noqa: E402
 import interleaved  # noqa: E402
+import memory  # noqa: E402
 import methods  # noqa: E402
 import overhead  # noqa: E402
 from precise_bn import moments  # noqa: E402
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.main_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved, "budget": budget,
-            "cost": cost, "attack": exact_attack, "demo": demo_seeds, "fresh process": fresh_process}
+            "cost": cost, "attack": exact_attack, "demo": demo_seeds, "fresh process": fresh_process, "memory": memory}
 
 
 @pytest.fixture
@@ -88,7 +89,8 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernel
     assert "- every case ran and every written channel is within the promise, compiled sums (0 outside, 0 raised): **met**" in text
     assert "- the compiled runs measured every call with the compiled sums: **met**" in text
     assert own_kernels.ready and not own_kernels.failures
-    for png in ("scaling.png", "memory.png", "budget.png"):
+    assert "| bn_mlp + 1 MiB buffer |" in text
+    for png in ("scaling.png", "memory.png", "budget.png", "pass_memory.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
 
 

@@ -20,10 +20,14 @@ class Counting(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 1)
         self.bn = nn.BatchNorm2d(4)
-        self.forwards = 0
+        self.calls: list = []  # appended to, never rebound: a pass puts rebound attributes back
+
+    @property
+    def forwards(self) -> int:
+        return len(self.calls)
 
     def forward(self, x):
-        self.forwards += 1
+        self.calls.append(x.shape[0])
         return self.bn(self.conv(x))
 
 

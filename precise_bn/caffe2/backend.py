@@ -161,6 +161,7 @@ class _Caffe2Pass:
 
     empty_reason = "the net has no SpatialBN layer"
     estimator = "caffe2"
+    not_recomputed: Sequence[str] = ()
 
     def __init__(self, aux: Caffe2AuxModel):
         self.aux = aux

@@ -1,9 +1,10 @@
 """One forward-only measurement pass over a PyTorch model: attach, measure, then restore or write.
 
-The guarantee: if the call that owns the pass raises, whatever the exception and wherever it
-is raised, the model is bit-identical to before (every buffer, class, momentum and train flag);
-the new statistics are written after everything that can fail, and undone if the call still
-raises. How:
+The guarantee: a pass changes the chosen layers' ``running_mean`` and ``running_var`` and nothing
+else, and if the call that owns it raises, whatever the exception and wherever it is raised, the
+model is bit-identical to before (every buffer, attribute, class, momentum and train flag, kept by
+:mod:`.model_state`, which says why a parameter the forward writes in place is refused rather
+than copied). How:
 
 * every change to the model (attaching the captures, restoring, writing) runs inside a
   :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
@@ -20,6 +21,7 @@ from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data import count_samples, describe, move_to_device, recognised
 from ..errors import BatchError
@@ -30,7 +32,8 @@ from ..moments import KERNELS
 from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
 from .capture import CallCapture, flush
-from .layers import NamedLayer, no_layer_message
+from .layers import NamedLayer, named_modules, no_layer_message
+from .model_state import ModelState, module_names
 from .sharding import FullParameters
 
 Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -39,9 +42,10 @@ Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
 class BNPass:
     """Measures ``layers`` of ``model`` while open (``with BNPass(...) as p:``).
 
-    On enter it snapshots every buffer of the model and attaches a
-    :class:`~precise_bn.pytorch.capture.CallCapture` to each chosen layer; leaving the block
-    restores everything, however it is left. :meth:`finish`, called after the block, writes.
+    On enter it keeps the model's state (:class:`~precise_bn.pytorch.model_state.ModelState`)
+    and attaches a :class:`~precise_bn.pytorch.capture.CallCapture` to each chosen layer; leaving
+    the block restores everything, however it is left. :meth:`finish`, called after the block,
+    writes.
     """
 
     def __init__(
@@ -70,7 +74,10 @@ class BNPass:
         self._batches = 0
         self._attached: List[Tuple[CallCapture, nn.Module]] = []
         self.sharding = FullParameters(model)
-        self._saved: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self.state: Optional[ModelState] = None
+        #: Modules whose running statistics a functional ``batch_norm`` changed during the pass
+        #: (put back, not recomputed); known once :meth:`running` is left.
+        self.not_recomputed: List[str] = []
         self._finished = False
 
     @property
@@ -87,12 +94,8 @@ class BNPass:
         # come (the ``with`` statement calls it only once ``__enter__`` has returned).
         try:
             with critical(), torch.no_grad():
-                self._saved = [
-                    (module, key, buf, buf.detach().clone())
-                    for module in self.model.modules()
-                    for key, buf in module._buffers.items()
-                    if buf is not None
-                ]
+                self.state = ModelState(self.model, module_names(named_modules(self.model)))
+                self.state.freeze_observers()  # the forwards quantize as the model will afterwards
                 for capture, (_, module) in zip(self.captures, self.layers):
                     self._attached.append((capture, module))
                     capture.attach(module)
@@ -104,7 +107,8 @@ class BNPass:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """No autograd, and ``torch.autocast`` on the model's device when asked.
+        """No autograd, and ``torch.autocast`` on the model's device when asked; left once the
+        batches are over, it finds the functional ``batch_norm`` calls (:attr:`not_recomputed`).
 
         A generator, so that nothing is switched before the caller's ``with`` enters it, and
         a block left without its ``__exit__`` (a signal handled just before it) still switches
@@ -119,6 +123,18 @@ class BNPass:
             autocast = torch.autocast(device_type=tensor.device.type, **kwargs)
         with torch.no_grad(), autocast:
             yield
+        self.not_recomputed = self._functional_bn()
+
+    def _functional_bn(self) -> List[str]:
+        """Modules other than BN layers whose ``running_mean`` or ``running_var`` the forwards
+        changed: a functional ``batch_norm`` call on their buffers, which the captures do not see."""
+        assert self.state is not None
+        bn = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+        names: List[str] = []
+        for name, _ in self.state.changed_buffers(("running_mean", "running_var"), skip=bn):
+            if name not in names:
+                names.append(name)
+        return names
 
     def step(self, batch: Any) -> int:
         """Run one batch; an unrecognised batch that the model refuses becomes a BatchError.
@@ -137,6 +153,8 @@ class BNPass:
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", describe(batch))
                 ) from exc
             raise
+        assert self.state is not None
+        self.state.check_parameters()
         self._batches += 1
         if self._batches == 1 and self.planned is not None:
             KERNELS.expect(sum(c.elements for c in self.captures) * self.planned)
@@ -163,22 +181,16 @@ class BNPass:
                 capture.detach(module)
                 self._attached.pop()
             self.sharding.restore()
-            self._restore_buffers()
+            if self.state is not None:
+                self.state.restore()
 
     def snapshot(self, sync: Optional[bool], group: Any, timeout: float) -> Snapshot:
         """The recomputed layers' buffers as before the call and as they are now: called right
         after the write, it keeps what :meth:`restore` would have put back, so the call can be
         undone later (``report.undo()``)."""
-        names = {id(module): name for name, module in self.layers}
-        return Snapshot([(names[id(module)], module, key, buf, saved) for module, key, buf, saved in self._saved
-                         if id(module) in names], sync, group, timeout)
-
-    def _restore_buffers(self) -> None:
-        # Some torch versions rebind a buffer (``num_batches_tracked = num_batches_tracked + 1``):
-        # put the original tensor object back, so references held elsewhere stay valid.
-        for module, key, buf, saved in self._saved:
-            module._buffers[key] = buf
-            buf.copy_(saved)
+        assert self.state is not None
+        return Snapshot([(name, module, key, buf, saved) for name, module in self.layers
+                         for key, buf, saved in self.state.saved_buffers(module)], sync, group, timeout)
 
     def finish(self, results: Sequence[Result]) -> None:
         """Write ``results`` (float64 ``(mean, var)`` per layer, None to keep a layer's old stats)
@@ -200,7 +212,8 @@ class BNPass:
 
         def undo() -> None:
             with torch.no_grad():
-                self._restore_buffers()
+                if self.state is not None:
+                    self.state.restore()
 
         write(change, undo)
 
