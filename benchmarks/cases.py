@@ -18,12 +18,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 Batches = List[torch.Tensor]
 
 
-def bn_mlp(in_features: int = 64, width: int = 256, depth: int = 4, classes: int = 10) -> nn.Module:
-    """``depth`` blocks of Linear -> BatchNorm1d -> ReLU, then a classifier."""
+def bn_mlp(in_features: int = 64, width: int = 256, depth: int = 4, classes: int = 10,
+           table_mib: int = 0) -> nn.Module:
+    """``depth`` blocks of Linear -> BatchNorm1d -> ReLU, then a classifier; with ``table_mib``,
+    the model also holds a float32 buffer of that many MiB that its forward never reads (a
+    lookup table, as positional encodings are)."""
     layers: List[nn.Module] = []
     for i in range(depth):
         layers += [nn.Linear(in_features if i == 0 else width, width), nn.BatchNorm1d(width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, classes))
+    model = nn.Sequential(*layers, nn.Linear(width, classes))
+    if table_mib:
+        model.register_buffer("table", torch.rand(table_mib * 2 ** 18))
+    return model
 
 
 class _Block(nn.Module):

@@ -28,11 +28,12 @@ import torch
 
 from .data import batches_for_samples, planned_batches
 from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
-from .errors import EmptyDataError, NonFiniteStatsError, warn
+from .buffers import check_fits
+from .errors import EmptyDataError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .precision import flags, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
-from .report import UNTRUSTED_RTOL, BNReport, LayerReport
+from .report import BNReport, LayerReport, counted
 from .signals import all_or_nothing
 
 logger = logging.getLogger("precise_bn")
@@ -53,11 +54,15 @@ class Backend(Protocol):
     #: The dtype of each layer's running buffers: what the results must fit in.
     dtypes: List[torch.dtype]
     empty_reason: str
-    #: Why this backend's kernel statistics may be untrusted, for the warning that names them.
-    untrusted_reason: str
+    #: Once the batches are run: modules whose running statistics a forward changed outside the
+    #: measured layers (a functional ``batch_norm``), put back and not recomputed.
+    not_recomputed: Sequence[str]
 
     def old_stats(self) -> List[Stats]:
         """Each layer's running mean and variance before the pass, float64 on the CPU."""
+
+    def plan(self, batches: Optional[int]) -> None:
+        """The number of batches the pass expects to read (None: unknown), before the first."""
 
     def attached(self) -> ContextManager[Any]:
         """The model prepared for measuring; leaving the block restores it, however it is left."""
@@ -73,12 +78,6 @@ class Backend(Protocol):
 
     def collect(self) -> List[PopulationStats]:
         """This process's statistics so far, one per layer, pending calls merged."""
-
-    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
-        """Per layer, from the statistics merged over ranks, the channels whose written variance
-        may be off by more than :data:`~precise_bn.report.UNTRUSTED_RTOL` of itself because the
-        kernel's float32 statistics were kept (a worst-case bound; none when every call was
-        measured in float64)."""
 
     def finish(self, results: Sequence[Optional[Stats]]) -> None:
         """Write ``results`` (None: keep that layer's statistics) with
@@ -229,34 +228,14 @@ def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[
     return [s.finalize(unbiased) if s.count else None for s in stats]
 
 
-def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes: Sequence[torch.dtype]) -> None:
-    """Raise :class:`~precise_bn.NonFiniteStatsError` for a layer whose statistics, as they
-    are about to be written, would not be finite once stored in its buffers' dtype: ``inf`` is
-    never written."""
-    for name, result, dtype in zip(names, results, dtypes):
-        if result is None:
-            continue
-        top = torch.finfo(dtype).max
-        largest = max(float(result[0].abs().max()), float(result[1].max()))
-        if largest > top:
-            raise NonFiniteStatsError(
-                "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
-                "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
-                    name, largest, str(dtype).replace("torch.", ""), top))
-
-
-def name_untrusted(backend: Backend, stats: Sequence[PopulationStats], report: BNReport) -> None:
-    """Fill ``LayerReport.untrusted`` and name those channels in one warning."""
-    named = []
-    for layer, channels in zip(report.layers, backend.untrusted(stats)):
-        layer.untrusted = channels
-        if channels:
-            shown = ", ".join(map(str, channels[:8])) + (", ..." if len(channels) > 8 else "")
-            named.append("{} (channels {})".format(layer.name, shown))
-    if named:
-        warn("in {} layer(s) the written variance may be off by more than {:g} of itself, {}: {}. "
-             "Recompute with exact=True to measure every call in float64".format(
-                 len(named), UNTRUSTED_RTOL, backend.untrusted_reason, "; ".join(named)))
+def name_not_recomputed(backend: Backend, report: BNReport) -> None:
+    """Fill ``BNReport.not_recomputed`` and name those modules in one warning."""
+    report.not_recomputed = list(backend.not_recomputed)
+    if report.not_recomputed:
+        warn("not recomputed: {}: a functional batch_norm call changed their running statistics during the "
+             "pass, which precise-bn does not measure, so they were put back as they were. A BatchNorm layer "
+             "(torch.nn.BatchNorm1d/2d/3d or a subclass) in its place would be recomputed".format(
+                 ", ".join(report.not_recomputed)))
 
 
 def build_report(
@@ -300,11 +279,13 @@ def recalibrate(
     budget_name: str = "num_batches",
     on_write: Optional[Callable[[BNReport], Any]] = None,
     label: str = "precise-bn",
+    write: bool = True,
 ) -> BNReport:
     """One recalibration, on any backend: build it, measure, report, write.
 
     ``on_write(report)`` runs right after the new statistics are written (the step cache
-    stores them there); if it raises, the write is undone. With several ranks, any exception
+    stores them there); if it raises, the write is undone. ``write=False`` measures and
+    reports only: the model is left as it was (``precise_bn.check``). With several ranks, any exception
     on one rank, from building the backend (layer selection) to the report, makes every other
     rank raise :class:`~precise_bn.DistributedError`; no rank writes unless all can.
     """
@@ -326,6 +307,8 @@ def recalibrate(
             ranks.finish()
             return BNReport(world_size=ranks.world, estimator=backend.estimator)
         results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
+        if not write:
+            return report
         backend.finish(results)
         if on_write is not None:
             on_write(report)
@@ -344,10 +327,11 @@ def recalibrate(
 def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks, budget_name: str, label: str,
              started: float) -> Tuple[List[Optional[Stats]], BNReport]:
     """The pass, the merge, the report and every warning; a last round says every rank got here."""
-    logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
+    logger.info("%s: measuring %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.estimator)
     old = backend.old_stats()
     planned = planned_batches(data, opts.num_batches)
+    backend.plan(planned)
     warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
     with backend.attached():
         outcome = run_pass(backend, iter(data), opts, ranks, planned, label)
@@ -367,9 +351,9 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         if opts.prior:
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
-        name_untrusted(backend, outcome.stats, report)
-        logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
-                    report.samples, report.seconds, report.stop)
+        name_not_recomputed(backend, report)
+        logger.info("%s: %s (%s) read in %.2f s; stopped: %s", label, counted(report.batches, "batch", "batches"),
+                    counted(report.samples, "sample"), report.seconds, report.stop)
         ranks.exchange(ACTIVE, round_="end")
         ranks.finish()
     return results, report

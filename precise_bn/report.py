@@ -28,9 +28,6 @@ DEFINITIONS = {
         "{}: {}".format(reason, words) for reason, (_, words) in FLAGS.items()),
 }
 
-#: Relative error of a written variance above which a channel is named untrusted.
-UNTRUSTED_RTOL = 1e-3
-
 #: Why a pass ended: what ran out, or ``rtol`` met.
 STOP_REASONS = {
     "num_batches": "num_batches batches were read",
@@ -61,11 +58,8 @@ class LayerReport:
 
     ``mean_stderr`` and ``var_stderr`` are per-channel standard errors of ``new_mean`` and
     ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
-    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``untrusted``
-    lists the channels whose written variance may be off by more than :data:`UNTRUSTED_RTOL` of
-    itself, by a worst-case bound on the kernel's float32 statistics
-    (:mod:`precise_bn.pytorch.trust`, :mod:`precise_bn.caffe2.stats`); always empty with
-    ``exact=True``, which measures every call in float64.
+    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``new_*`` are the
+    float64 values, before their rounding into the buffers.
     With a ``prior``, ``new_*`` is what was written (source and target pooled) and
     ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
     with the old ones.
@@ -85,7 +79,6 @@ class LayerReport:
     mean_stderr: Optional[torch.Tensor] = None
     var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
-    untrusted: List[int] = field(default_factory=list)
     se_untrusted: List[int] = field(default_factory=list)
     se_reasons: Dict[str, List[int]] = field(default_factory=dict)
     target_mean: Optional[torch.Tensor] = None
@@ -137,7 +130,6 @@ class LayerReport:
             "var_drift": self.var_drift,
             "mean_rel_stderr": self.mean_rel_stderr,
             "var_rel_stderr": self.var_rel_stderr,
-            "untrusted": list(self.untrusted),
             "se_untrusted": list(self.se_untrusted),
             "se_reasons": {reason: list(channels) for reason, channels in self.se_reasons.items()},
         }
@@ -164,6 +156,11 @@ LARGE_DRIFT = 0.5
 LARGE_MARK = "*"
 
 
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """``1 batch``, ``43 batches``: ``plural`` (default ``noun + "s"``) unless ``count`` is 1."""
+    return "{} {}".format(count, noun if count == 1 else plural or noun + "s")
+
+
 def legend(titles: List[str]) -> str:
     """What the columns ``titles`` hold, one line each, indented under a table."""
     width = max(len(t) for t in titles)
@@ -180,17 +177,19 @@ class BNReport:
     each column means (large drifts marked, see :data:`LARGE_DRIFT`).
 
     ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
-    count what was read, summed over ranks.
+    count what was read, summed over ranks. ``not_recomputed`` names the modules whose running
+    statistics a functional ``batch_norm`` call changed during the pass: put back, not recomputed.
     """
 
     layers: List[LayerReport] = field(default_factory=list)
     batches: int = 0
     samples: int = 0
     world_size: int = 1
-    estimator: str = "kernel"
+    estimator: str = "float64"
     seconds: float = 0.0
     stop: str = "data"
     rtol: Optional[float] = None
+    not_recomputed: List[str] = field(default_factory=list)
     snapshot: Optional[Snapshot] = field(default=None, repr=False, compare=False)
 
     @all_or_nothing
@@ -234,6 +233,7 @@ class BNReport:
             "stop": self.stop,
             "rtol": self.rtol,
             "unused": self.unused,
+            "not_recomputed": list(self.not_recomputed),
             "definitions": dict(DEFINITIONS),
             "layers": [layer.to_dict(with_stats) for layer in self.layers],
         }
@@ -247,13 +247,13 @@ class BNReport:
         why = ", ".join("{}: {}".format(label, sum(len(layer.se_reasons.get(reason, ())) for layer in self.layers))
                         for reason, (label, _) in FLAGS.items()
                         if any(reason in layer.se_reasons for layer in self.layers))
-        untrusted = "; standard errors not trusted in {} channel{} of {} layer{} ({}){}".format(
-            sum(flagged), "" if sum(flagged) == 1 else "s", len(flagged), "" if len(flagged) == 1 else "s", why,
+        untrusted = "; standard errors not trusted in {} of {} ({}){}".format(
+            counted(sum(flagged), "channel"), counted(len(flagged), "layer"), why,
             ", so rtol={:g} could not stop the pass".format(self.rtol) if self.rtol is not None else "")
-        return ("precise-bn: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}, {} estimator, "
+        return ("precise-bn: {}, {} ({}), world size {}, {} estimator, "
                 "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
-            count, "" if count == 1 else "s", self.batches, "" if self.batches == 1 else "es", self.samples,
-            self.world_size, self.estimator, self.seconds,
+            counted(count, "BatchNorm layer"), counted(self.batches, "batch", "batches"),
+            counted(self.samples, "sample"), self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
             _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")), untrusted if flagged else "")
 
@@ -269,6 +269,8 @@ class BNReport:
                                         _cell(layer.var_rel_stderr), w=width))
             else:
                 rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
+        if self.not_recomputed:
+            rows.append("not recomputed (a functional batch_norm, put back): " + ", ".join(self.not_recomputed))
         rows.append(legend(list(COLUMNS)))
         if any(layer.ran and max(layer.mean_drift, layer.var_drift) >= LARGE_DRIFT for layer in self.layers):
             rows.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(

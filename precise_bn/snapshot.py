@@ -11,6 +11,9 @@ object with the same counter and the same bits; otherwise it would silently over
 made since (a training step, another recalibration, a loaded checkpoint), so it raises
 :class:`~precise_bn.UndoError` and changes nothing.
 
+A put-back never writes through sizes a tensor's storage may no longer hold: a tensor whose data
+moved is pointed back at its own storage first (:class:`Place`).
+
 The put-back itself is a :func:`~precise_bn.signals.write` (an undo that raises puts the
 call's statistics back) or, leaving a block, a critical section: an interrupt never leaves
 some layers undone and others not. With several ranks, every rank checks its own model,
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -40,6 +43,66 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same dtype, shape and bits (on the same device)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(_bits(a), _bits(b)))
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    """The tensor's storage, or None for one without a storage of its own (sparse, a subclass
+    that wraps others)."""
+    if tensor.layout != torch.strided:
+        return None
+    try:
+        return tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class Place:
+    """Where a tensor's data lived when this was made (storage, offset, sizes, strides, dtype,
+    device), so that a value can be put back there safely (:meth:`put`)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.storage = _storage(tensor)
+        self.where = self._where()
+
+    def _where(self) -> Tuple[Any, ...]:
+        tensor = self.tensor
+        where = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        if self.storage is None:
+            return where
+        return where + (tensor.storage_offset(), tensor.stride(), _storage(tensor).data_ptr())
+
+    def moved(self) -> bool:
+        """Whether the tensor's data lives elsewhere now (resized, ``set_``, ``.data =``, ...)."""
+        try:
+            return self._where() != self.where
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # no storage any more
+            return True
+
+    def put(self, value: torch.Tensor) -> None:
+        """Make the tensor (the same object) hold ``value`` where its data lived. A tensor that
+        moved is first pointed back at its own storage, so nothing is written through sizes that
+        storage may not hold (torch leaves such sizes when it refuses a resize half-way, as for a
+        buffer exported with ``.numpy()``); then only differing bits are written."""
+        tensor = self.tensor
+        if self.moved():
+            shape, dtype, device = self.where[:3]
+            if self.storage is None:
+                tensor.data = value.clone()
+            else:
+                offset, stride = self.where[3:5]
+                tensor.data = torch.empty(0, dtype=dtype, device=device).set_(self.storage, offset, shape, stride)
+        if not same_bits(tensor, value):
+            tensor.copy_(value)
+
+
 @dataclass
 class BufferRecord:
     """One buffer of a recomputed layer: before the call, and as the call left it."""
@@ -51,6 +114,7 @@ class BufferRecord:
     before: torch.Tensor
     version: int
     written: torch.Tensor
+    place: Place
 
     def change(self) -> str:
         """What changed since the call wrote, or "" if nothing did."""
@@ -59,7 +123,7 @@ class BufferRecord:
             return "the layer no longer exists"
         if module._buffers.get(self.key) is not self.tensor:
             return "{} was replaced by another tensor".format(self.key)
-        if self.tensor._version != self.version or not torch.equal(_bits(self.tensor), _bits(self.written)):
+        if self.tensor._version != self.version or not same_bits(self.tensor, self.written):
             return "{} was written since".format(self.key)
         return ""
 
@@ -67,7 +131,7 @@ class BufferRecord:
         module = self.module()
         if module is not None:
             module._buffers[self.key] = self.tensor
-            self.tensor.copy_(value)
+            self.place.put(value)
 
 
 class Snapshot:
@@ -81,7 +145,8 @@ class Snapshot:
     def __init__(self, saved: List[Any], sync: Optional[bool] = None, group: Any = None,
                  timeout: float = DEFAULT_TIMEOUT):
         self.records = [
-            BufferRecord(name, weakref.ref(module), key, tensor, before, tensor._version, tensor.detach().clone())
+            BufferRecord(name, weakref.ref(module), key, tensor, before, tensor._version, tensor.detach().clone(),
+                         Place(tensor))
             for name, module, key, tensor, before in saved
         ]
         self.sync, self.group, self.timeout = sync, group, timeout

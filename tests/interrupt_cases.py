@@ -3,8 +3,9 @@ model is as it was" means, bit for bit.
 
 The model has every kind of BN layer the capture treats differently (the kernel called
 directly, a subclass's own forward, no affine parameters, momentum None), a layer in eval mode
-that must not be touched, and hooks on two layers; each case knows the state it starts from
-and the state an undisturbed call leaves.
+that must not be touched, hooks on two layers, and a module with state of its own that a pass
+holds still and puts back (an observer's switch, the range it learns, a call counter); each case
+knows the state it starts from and the state an undisturbed call leaves.
 """
 from __future__ import annotations
 
@@ -50,18 +51,36 @@ class Block(nn.Module):
         return x + self.bn(x)
 
 
+class Observer(nn.Module):
+    """Learns the largest magnitude of each channel while its switch is on (as a fake-quantize
+    module's observer does) and counts its calls: a pass turns the switch off and puts all back."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.register_buffer("observer_enabled", torch.ones(1, dtype=torch.uint8))
+        self.register_buffer("max_val", torch.zeros(channels))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.observer_enabled[0] == 1:
+            torch.maximum(self.max_val, x.detach().abs().amax(0), out=self.max_val)
+        return x
+
+
 class Deep(nn.Module):
-    """``blocks`` residual BN blocks, then a BatchNorm1d head; hooks on two layers."""
+    """``blocks`` residual BN blocks, an observer, then a BatchNorm1d head; hooks on two layers."""
 
     def __init__(self, blocks: int, channels: int = 4):
         super().__init__()
         self.blocks = nn.Sequential(*(Block(channels, KINDS[i % len(KINDS)]) for i in range(blocks)))
+        self.observer = Observer(channels)
         self.head = nn.BatchNorm1d(channels)
         self.blocks[0].bn.register_forward_hook(lambda m, i, o: None)
         self.head.register_forward_pre_hook(lambda m, i: None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x).mean((2, 3)))
+        return self.head(self.observer(self.blocks(x).mean((2, 3))))
 
 
 def make_model(blocks: int, seed: int = 0) -> Deep:
@@ -194,6 +213,22 @@ def _hook_reapply_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     return Case("hook-reapply", model, lambda: hook.before_eval(1), reset, lambda: _cache_state(hook))
 
 
+def _hook_lend_case(blocks: int, batches: List[torch.Tensor]) -> Case:
+    """A hook lending an extra model's cached stats to the model (mmengine's EMAHook swaps only
+    the weights in for validation): written back, no forward."""
+    model = make_model(blocks)
+    hook = PreciseBNHook(model, batches, num_batches=len(batches), extra_models=[make_model(blocks, seed=1)],
+                         progress=False)
+    hook.before_checkpoint(1)
+    restore = _restorer(model)  # the model's own recomputed stats
+
+    def reset() -> None:
+        restore()
+        hook.lent = None
+
+    return Case("hook-lend", model, lambda: hook.lend(1), reset, lambda: (hook.lent, _cache_state(hook)))
+
+
 def _recalibrated_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     """A ``with recalibrated(...)`` block, entered and left: the model ends as it started."""
 
@@ -217,13 +252,15 @@ def _undo_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     return Case("undo", model, lambda: reports[0].undo(), recomputed)
 
 
-CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply", "recalibrated", "undo")
+CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply", "hook-lend", "recalibrated",
+              "undo")
 
 
 def make_case(name: str, blocks: int, num_batches: int) -> Case:
     """One of :data:`CASE_NAMES`, with its expected state: ``recompute`` (default and
-    ``exact``), ``update_bn_stats``, a hook's recomputation at a new step and its re-apply of
-    the cached stats at the same step, a ``recalibrated`` block, ``undo`` after a recompute."""
+    ``exact``), ``update_bn_stats``, a hook's recomputation at a new step, its re-apply of
+    the cached stats at the same step and its lending of an extra model's, a ``recalibrated``
+    block, ``undo`` after a recompute."""
     batches = make_batches(num_batches)
     if name == "recompute":
         case = _function_case(name, blocks, lambda m: recompute(m, batches, num_batches=num_batches, progress=False))
@@ -233,6 +270,8 @@ def make_case(name: str, blocks: int, num_batches: int) -> Case:
         case = _function_case(name, blocks, lambda m: update_bn_stats(m, batches, num_iters=num_batches))
     elif name == "hook-recompute":
         case = _hook_recompute_case(blocks, batches)
+    elif name == "hook-lend":
+        case = _hook_lend_case(blocks, batches)
     elif name == "recalibrated":
         case = _recalibrated_case(blocks, batches)
     elif name == "undo":

@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 # holding it; the package root (re-exports) and ``__main__`` sit above everything.
 LAYERS = [
     ["errors", "_version", "signals", "atomic", "digits", "rng", "tails", "order"],
-    ["options", "estimator", "slices"],
-    ["data", "distributed", "report", "snapshot", "precision"],
+    ["options", "estimator", "slices", "moments", "buffers"],
+    ["data", "reader", "distributed", "report", "snapshot", "precision", "staleness"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],
     ["api", "caffe2.backend"],

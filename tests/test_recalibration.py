@@ -7,6 +7,8 @@ float64 reference computed over real source and target samples put together.
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 
 import pytest
 import torch
@@ -17,8 +19,9 @@ from cli_factories import trained_net
 from cli_helpers import TRUST, load, run_cli
 from interrupt_cases import make_batches, make_model, model_state
 from precise_bn import ConfigError, UndoError, recalibrated, recompute
+from precise_bn.errors import PreciseBNWarning
 from precise_bn.cli.parser import build_parser
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def _bns(model: nn.Module):
@@ -43,8 +46,21 @@ def test_the_block_sees_recomputed_stats_and_leaves_the_model_bit_for_bit_as_it_
         assert len(report.layers) == len(report) > 0
         for mine, theirs in zip(_buffers(model), _buffers(expected)):
             assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
-        model(batches[0])  # a train-mode forward moves the stats and num_batches_tracked
+        model.blocks(batches[0])  # a train-mode forward moves the stats and num_batches_tracked
     assert model_state(model) == before
+
+
+def test_a_warning_on_entering_or_leaving_the_block_points_at_the_with_line():
+    """Entering and leaving go through contextlib: the warning names the user's line, not it."""
+    model, batches = make_model(blocks=2), make_batches(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        with recalibrated(model, batches, num_batches=5, progress=False):
+            pass
+    short = [w for w in caught if issubclass(w.category, PreciseBNWarning) and "data ran out" in str(w.message)]
+    assert len(short) == 1 and (short[0].filename, short[0].lineno) == (__file__, line), \
+        [(w.filename, w.lineno, str(w.message)) for w in caught]
 
 
 def test_an_exception_in_the_block_restores_the_model_and_propagates():
@@ -183,11 +199,11 @@ def test_prior_pools_source_and_target_as_one_population_of_samples(prior, shift
     _set_source(model, source)
     report = recompute(model, target, prior=prior, progress=False)
     pooled = float64_reference(model, source + target)["bn"]
-    assert_close_default(model.bn.running_mean, model.bn.running_var, pooled[0], pooled[1], "bn")
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, pooled[0], pooled[1], "bn")
     layer = report["bn"]
     assert torch.equal(layer.new_mean.float(), model.bn.running_mean)
     target_ref = float64_reference(model, target)["bn"]
-    assert_close_default(layer.target_mean, layer.target_var, target_ref[0], target_ref[1], "bn target")
+    assert_close_exact(layer.target_mean, layer.target_var, target_ref[0], target_ref[1], "bn target")
     p = prior / (prior + 64)
     robusta = p * layer.old_var + (1 - p) * target_ref[1]
     gap = ((pooled[1] - robusta) / pooled[1]).abs().max()
@@ -229,7 +245,7 @@ def test_unbiased_applies_to_the_target_variance_before_pooling():
     var_t = var_t * count / (count - 1)
     mean = (16 * mean_s + 16 * mean_t) / 32
     var = (16 * var_s + 16 * var_t) / 32 + 16 * 16 * (mean_s - mean_t) ** 2 / 32 ** 2
-    assert_close_default(model.bn.running_mean, model.bn.running_var, mean, var, "bn")
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, mean, var, "bn")
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "8"])
@@ -253,4 +269,4 @@ def test_the_command_line_takes_prior(tmp_path, capsys):
         mean_s, var_s = net.state_dict()[name + ".running_mean"].double(), net.state_dict()[name + ".running_var"].double()
         mean = (16 * mean_s + n * mean_t) / (16 + n)
         var = (16 * var_s + n * var_t) / (16 + n) + 16 * n * (mean_s - mean_t) ** 2 / (16 + n) ** 2
-        assert_close_default(state[name + ".running_mean"], state[name + ".running_var"], mean, var, name)
+        assert_close_exact(state[name + ".running_mean"], state[name + ".running_var"], mean, var, name)

@@ -1,9 +1,10 @@
 """One forward-only measurement pass over a PyTorch model: attach, measure, then restore or write.
 
-The guarantee: if the call that owns the pass raises, whatever the exception and wherever it
-is raised, the model is bit-identical to before (every buffer, class, momentum and train flag);
-the new statistics are written after everything that can fail, and undone if the call still
-raises. How:
+The guarantee: a pass changes the chosen layers' ``running_mean`` and ``running_var`` and nothing
+else, and if the call that owns it raises, whatever the exception and wherever it is raised, the
+model is bit-identical to before (every buffer, attribute, class, momentum and train flag, kept by
+:mod:`.model_state`, which says why a parameter the forward writes in place is refused rather
+than copied). How:
 
 * every change to the model (attaching the captures, restoring, writing) runs inside a
   :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
@@ -20,18 +21,20 @@ from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..data import count_samples, describe, move_to_device, recognised
 from ..errors import BatchError
 from ..estimator import PopulationStats
 from ..options import ForwardFn
-from ..report import UNTRUSTED_RTOL
+from ..buffers import round_to
+from ..moments import KERNELS
 from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
-from .capture import CallCapture, Scratch, flush
-from .layers import NamedLayer, no_layer_message
+from .capture import CallCapture, flush
+from .layers import NamedLayer, named_modules, no_layer_message
+from .model_state import ModelState, module_names
 from .sharding import FullParameters
-from .trust import variance_error_bound
 
 Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
@@ -39,9 +42,10 @@ Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
 class BNPass:
     """Measures ``layers`` of ``model`` while open (``with BNPass(...) as p:``).
 
-    On enter it snapshots every buffer of the model and attaches a
-    :class:`~precise_bn.pytorch.capture.CallCapture` to each chosen layer; leaving the block
-    restores everything, however it is left. :meth:`finish`, called after the block, writes.
+    On enter it keeps the model's state (:class:`~precise_bn.pytorch.model_state.ModelState`)
+    and attaches a :class:`~precise_bn.pytorch.capture.CallCapture` to each chosen layer; leaving
+    the block restores everything, however it is left. :meth:`finish`, called after the block,
+    writes.
     """
 
     def __init__(
@@ -50,7 +54,6 @@ class BNPass:
         layers: Sequence[NamedLayer],
         forward: ForwardFn,
         *,
-        exact: bool = False,
         device: Optional[torch.device] = None,
         autocast: Union[None, bool, torch.dtype] = None,
         explain_batches: bool = False,
@@ -61,38 +64,25 @@ class BNPass:
         self.device = device
         self.autocast = autocast
         self.explain_batches = explain_batches
-        self.estimator = "exact" if exact else "kernel"
+        self.estimator = "float64"
         self.names = [name for name, _ in self.layers]
         self.eps = [float(m.eps) for _, m in self.layers]
         self.dtypes = [m.running_var.dtype for _, m in self.layers]
-        scratch = Scratch()
-        self.captures = [
-            CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device), exact, scratch)
-            for n, m in self.layers
-        ]
+        self.captures = [CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device))
+                         for n, m in self.layers]
+        self.planned: Optional[int] = None
+        self._batches = 0
         self._attached: List[Tuple[CallCapture, nn.Module]] = []
         self.sharding = FullParameters(model)
-        self._saved: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self.state: Optional[ModelState] = None
+        #: Modules whose running statistics a functional ``batch_norm`` changed during the pass
+        #: (put back, not recomputed); known once :meth:`running` is left.
+        self.not_recomputed: List[str] = []
         self._finished = False
 
     @property
     def empty_reason(self) -> str:
         return no_layer_message(self.model)
-
-    untrusted_reason = ("by a worst-case bound on the BN kernel's float32 statistics (a mean far from 0 next to the "
-                        "std, or many elements summed in float32: CPU channels-last or (N, C) inputs, CUDA)")
-
-    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
-        """Channels whose variance may miss :data:`~precise_bn.report.UNTRUSTED_RTOL` by the
-        worst-case bound of :func:`~precise_bn.pytorch.trust.variance_error_bound`."""
-        named: List[List[int]] = []
-        for capture, layer_stats in zip(self.captures, stats):
-            if self.estimator == "exact" or layer_stats.count == 0:
-                named.append([])
-                continue
-            bound = variance_error_bound(layer_stats, capture.float32_elements)
-            named.append(torch.nonzero(bound > UNTRUSTED_RTOL).reshape(-1).tolist())
-        return named
 
     def attached(self) -> "BNPass":
         """``with bn_pass.attached():`` measures inside the block (the object is its own context)."""
@@ -104,12 +94,8 @@ class BNPass:
         # come (the ``with`` statement calls it only once ``__enter__`` has returned).
         try:
             with critical(), torch.no_grad():
-                self._saved = [
-                    (module, key, buf, buf.detach().clone())
-                    for module in self.model.modules()
-                    for key, buf in module._buffers.items()
-                    if buf is not None
-                ]
+                self.state = ModelState(self.model, module_names(named_modules(self.model)))
+                self.state.freeze_observers()  # the forwards quantize as the model will afterwards
                 for capture, (_, module) in zip(self.captures, self.layers):
                     self._attached.append((capture, module))
                     capture.attach(module)
@@ -121,7 +107,8 @@ class BNPass:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """No autograd, and ``torch.autocast`` on the model's device when asked.
+        """No autograd, and ``torch.autocast`` on the model's device when asked; left once the
+        batches are over, it finds the functional ``batch_norm`` calls (:attr:`not_recomputed`).
 
         A generator, so that nothing is switched before the caller's ``with`` enters it, and
         a block left without its ``__exit__`` (a signal handled just before it) still switches
@@ -136,6 +123,18 @@ class BNPass:
             autocast = torch.autocast(device_type=tensor.device.type, **kwargs)
         with torch.no_grad(), autocast:
             yield
+        self.not_recomputed = self._functional_bn()
+
+    def _functional_bn(self) -> List[str]:
+        """Modules other than BN layers whose ``running_mean`` or ``running_var`` the forwards
+        changed: a functional ``batch_norm`` call on their buffers, which the captures do not see."""
+        assert self.state is not None
+        bn = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+        names: List[str] = []
+        for name, _ in self.state.changed_buffers(("running_mean", "running_var"), skip=bn):
+            if name not in names:
+                names.append(name)
+        return names
 
     def step(self, batch: Any) -> int:
         """Run one batch; an unrecognised batch that the model refuses becomes a BatchError.
@@ -154,7 +153,17 @@ class BNPass:
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", describe(batch))
                 ) from exc
             raise
+        assert self.state is not None
+        self.state.check_parameters()
+        self._batches += 1
+        if self._batches == 1 and self.planned is not None:
+            KERNELS.expect(sum(c.elements for c in self.captures) * self.planned)
         return count_samples(batch)
+
+    def plan(self, batches: Optional[int]) -> None:
+        """The pass expects about ``batches`` batches (None: unknown): with the first batch's
+        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.moments.Kernels.expect`)."""
+        self.planned = batches
 
     def collect(self) -> List[PopulationStats]:
         """Every layer's stats, with the calls still pending in the capture blocks merged."""
@@ -172,26 +181,21 @@ class BNPass:
                 capture.detach(module)
                 self._attached.pop()
             self.sharding.restore()
-            self._restore_buffers()
+            if self.state is not None:
+                self.state.restore()
 
     def snapshot(self, sync: Optional[bool], group: Any, timeout: float) -> Snapshot:
         """The recomputed layers' buffers as before the call and as they are now: called right
         after the write, it keeps what :meth:`restore` would have put back, so the call can be
         undone later (``report.undo()``)."""
-        names = {id(module): name for name, module in self.layers}
-        return Snapshot([(names[id(module)], module, key, buf, saved) for module, key, buf, saved in self._saved
-                         if id(module) in names], sync, group, timeout)
-
-    def _restore_buffers(self) -> None:
-        # Some torch versions rebind a buffer (``num_batches_tracked = num_batches_tracked + 1``):
-        # put the original tensor object back, so references held elsewhere stay valid.
-        for module, key, buf, saved in self._saved:
-            module._buffers[key] = buf
-            buf.copy_(saved)
+        assert self.state is not None
+        return Snapshot([(name, module, key, buf, saved) for name, module in self.layers
+                         for key, buf, saved in self.state.saved_buffers(module)], sync, group, timeout)
 
     def finish(self, results: Sequence[Result]) -> None:
-        """Write ``results`` (``(mean, var)`` per layer, None to keep a layer's old stats) in
-        place with ``copy_``, so references held elsewhere see them.
+        """Write ``results`` (float64 ``(mean, var)`` per layer, None to keep a layer's old stats)
+        in place with ``copy_``, so references held elsewhere see them, each rounded to nearest
+        in the buffer's dtype (:func:`~precise_bn.buffers.round_to`).
 
         A :func:`~precise_bn.signals.write`: if the all-or-nothing call around it raises, a
         signal's handler included, the old statistics are put back before the exception leaves.
@@ -202,13 +206,14 @@ class BNPass:
                 self.restore()
                 for (_, module), result in zip(self.layers, results):
                     if result is not None:
-                        module.running_mean.copy_(result[0])
-                        module.running_var.copy_(result[1])
+                        module.running_mean.copy_(round_to(result[0], module.running_mean.dtype))
+                        module.running_var.copy_(round_to(result[1], module.running_var.dtype))
             self._finished = True
 
         def undo() -> None:
             with torch.no_grad():
-                self._restore_buffers()
+                if self.state is not None:
+                    self.state.restore()
 
         write(change, undo)
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import difflib
 import logging
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -127,7 +128,61 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
         chosen = by_spec(model, layers)
     for name, module in chosen:
         _check(name, module)
+    _check_model(model, chosen)  # type: ignore[arg-type]
     return chosen  # type: ignore[return-value]
+
+
+RUNNING = ("running_mean", "running_var")
+
+
+def _check_model(model: nn.Module, chosen: List[NamedLayer]) -> None:
+    """Refuse, before the pass, what it could not put back: a lazy module not materialised yet
+    (the pass would materialise it), and a chosen layer's running statistics sharing memory with
+    another buffer (writing one would write the other)."""
+    uninitialized = tuple(getattr(nn.parameter, n) for n in ("UninitializedParameter", "UninitializedBuffer")
+                          if hasattr(nn.parameter, n))
+    mine = {id(m) for _, m in chosen}
+    spans = []
+    for name, module in named_modules(model):
+        tensors = list(module._parameters.values()) + list(module._buffers.values())
+        if uninitialized and any(isinstance(t, uninitialized) for t in tensors):
+            raise LayerError("module {!r} ({}) is lazy and not materialised yet: run one forward pass before "
+                             "recomputing".format(name, type(module).__name__))
+        for key, buf in module._buffers.items():
+            span = _span(buf)
+            if span is not None:
+                spans.append(span + (name, module, key, id(module) in mine and key in RUNNING))
+    spans.sort(key=lambda s: s[:2])
+    live: List[tuple] = []
+    for span in spans:
+        live = [other for other in live if other[0] == span[0] and other[2] > span[1]]
+        for other in live:
+            if other[6] or span[6]:
+                _refuse_shared(*(other, span) if other[6] else (span, other))
+        live.append(span)
+
+
+def _span(buf: Any) -> Optional[Tuple[str, int, int]]:
+    """``(device, first byte, end)`` of the memory a buffer's elements occupy; None if it has none."""
+    if buf is None or buf.numel() == 0 or buf.layout != torch.strided or buf.device.type == "meta":
+        return None
+    try:
+        start = buf.data_ptr()
+    except RuntimeError:  # a tensor subclass without storage of its own
+        return None
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(buf.shape, buf.stride()))
+    return str(buf.device), start, start + (reach + 1) * buf.element_size()
+
+
+def _refuse_shared(layer: tuple, other: tuple) -> None:
+    (name, module, key), (other_name, other_module, other_key) = layer[3:6], other[3:6]
+    kind = "BatchNorm layer" if isinstance(other_module, _BatchNorm) else "module"
+    first, second = name or type(module).__name__, other_name or type(other_module).__name__
+    raise LayerError(
+        "BatchNorm layer {!r} and {} {!r} share memory ({}.{} and {}.{} hold the same data): writing the "
+        "statistics of one would write the other's. Give each its own buffers before recomputing, for "
+        "example {}.{} = {}.{}.clone()".format(first, kind, second, first, key, second, other_key, second,
+                                                other_key, second, other_key))
 
 
 def no_layer_message(model: nn.Module) -> str:
