@@ -134,8 +134,8 @@ _channels: Dict[Any, Channel] = {}
 
 
 def channel_for(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Channel:
-    """The rounds' channel for ``group``: for the default group, a group of our own over the
-    same ranks, made on first use (a collective of every rank, given up after ``timeout``
+    """The rounds' channel for ``group``: for the default group, a gloo group of our own over
+    the same ranks, made on first use (a collective of every rank, given up after ``timeout``
     seconds) and reused, its own collectives then limited to the ``timeout`` of each call;
     any other group as it is."""
     dist = _dist()
@@ -143,8 +143,11 @@ def channel_for(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Channel:
     key = world if group is None or group is world else group
     channel = _channels.get(key)
     if channel is None and key is world:
+        # gloo where it can meet (MPI has no store): a gloo wait that times out raises, where
+        # NCCL's watchdog would end the process
+        backend = "gloo" if dist.is_gloo_available() and dist.get_backend() != "mpi" else None
         try:
-            channel = Channel(dist.new_group(timeout=_group_timeout(timeout)), own=True)
+            channel = Channel(dist.new_group(timeout=_group_timeout(timeout), backend=backend), own=True)
         except RuntimeError as exc:
             raise _gave_up(get_rank(), "creation of precise-bn's process group", timeout, exc) from exc
     elif channel is None:
@@ -227,7 +230,7 @@ class Ranks:
         self.received = 0
         self.rank = get_rank(group) if self.world > 1 else 0
         self.channel = channel_for(group, timeout) if self.world > 1 else None
-        self.device = collective_device(group) if self.world > 1 else torch.device("cpu")
+        self.device = collective_device(self.channel.group) if self.channel else torch.device("cpu")
 
     def finish(self) -> None:
         """This rank played its last round of the call: :meth:`abort` sends nothing any more."""
@@ -382,12 +385,15 @@ def _decode(part: torch.Tensor) -> Dict[str, Tuple[bytes, str]]:
 
 
 def _by_value(values: Sequence[Tuple[bytes, str]]) -> str:
-    """``value on ranks 0-2, 5; other on rank 3``: the ranks that share each value."""
+    """``value on ranks 0-2, 5; other on rank 3``: the ranks that share each value (values cut
+    alike are told apart by their digests)."""
     ranks: Dict[bytes, List[int]] = {}
     for rank, (digest, _) in enumerate(values):
         ranks.setdefault(digest, []).append(rank)
     shown = dict(values)
-    return "; ".join("{} on {}".format(shown[digest], _ranks_text(members)) for digest, members in ranks.items())
+    alike = len(set(shown.values())) < len(shown)
+    return "; ".join("{}{} on {}".format(shown[digest], " (digest {})".format(digest.hex()) if alike else "",
+                                         _ranks_text(members)) for digest, members in ranks.items())
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

@@ -265,6 +265,18 @@ def test_ranks_running_other_precise_bn_versions_all_raise_naming_them(world_run
             precise_bn.__version__, others) in result["message"], result
 
 
+def test_fields_too_long_for_their_slot_are_cut_but_told_apart():
+    """What the round after differing digests shows: each value (cut to its slot, the cut
+    marked), the ranks holding it as ranges, and digests where the cut values look alike."""
+    fields = [{"layers": "x" * 1000 + end, "rtol": rtol} for end, rtol in [("a", "None"), ("b", "0.5")]]
+    tables = [distributed._decode(distributed._encode(fields[rank in (3, 6)])) for rank in range(7)]
+    layers = distributed._by_value([table["layers"] for table in tables])
+    shown = "x" * (distributed._SLOT_BYTES - 8 - len("layers") - 1) + "..."
+    assert layers.count(shown + " (digest ") == 2
+    assert " on ranks 0-2, 4-5; " in layers and layers.endswith(" on ranks 3, 6")
+    assert distributed._by_value([table["rtol"] for table in tables]) == "None on ranks 0-2, 4-5; 0.5 on ranks 3, 6"
+
+
 def test_every_agreed_option_is_one_that_ranks_could_set_apart():
     """Each option is either compared across ranks or one that may differ per rank (why, below);
     a new option must be put on one side."""
