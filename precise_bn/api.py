@@ -47,9 +47,10 @@ def recompute(
     """Recompute the BN layers' running stats as the population statistics of their inputs.
 
     The model runs forward only, its BN layers normalising with batch statistics, on batches of
-    ``data``; every call of every chosen layer is measured and merged exactly (see
-    :mod:`precise_bn.estimator`), and the population mean and variance are written into
-    ``running_mean`` / ``running_var`` in place, after the report and every warning. If the
+    ``data``; every call of every chosen layer is measured from its input in float64 and merged
+    exactly (see :mod:`precise_bn.estimator`), and the population mean and variance are written
+    into ``running_mean`` / ``running_var`` in place, rounded to nearest in their dtype, after
+    the report and every warning. If the
     call raises, whatever the exception, ``KeyboardInterrupt`` included, the model is exactly
     as it was.
 
@@ -66,8 +67,7 @@ def recompute(
         device: move every tensor nested in a batch there first.
         layers: None (BN layers in training mode; all of them if the whole model is in eval
             mode), ``"all"``, or a list of modules or qualified names.
-        exact: variance within 1e-7 relative even at mean/std = 1e4, measuring in float64 the
-            layers whose kernel statistics could miss it (:mod:`precise_bn.pytorch.trust`).
+        exact: no effect, kept so that existing calls work: every call is measured in float64.
         autocast: run the forward under ``torch.autocast`` (True, or a dtype); BN stays float32.
         sync: merge across ranks (default: whenever a process group spans several processes).
         group: the process group to merge over.
@@ -160,7 +160,7 @@ def recalibrate_module(
         net = unwrap_model(model)
         forward = opts.forward_fn or default_forward
         explain = opts.forward_fn is None and forward is smart_forward if explain_batches is None else explain_batches
-        made.append(BNPass(net, select_layers(net, opts.layers), forward, exact=opts.exact, device=opts.device,
+        made.append(BNPass(net, select_layers(net, opts.layers), forward, device=opts.device,
                            autocast=opts.autocast, explain_batches=explain))
         return made[-1]
 

@@ -28,11 +28,12 @@ import torch
 
 from .data import batches_for_samples, planned_batches
 from .distributed import ACTIVE, DONE, Ranks, fingerprint, resolve_sync
-from .errors import EmptyDataError, NonFiniteStatsError, warn
+from .buffers import check_fits
+from .errors import EmptyDataError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
-from .report import UNTRUSTED_RTOL, BNReport, LayerReport
+from .report import BNReport, LayerReport
 from .signals import all_or_nothing
 
 logger = logging.getLogger("precise_bn")
@@ -53,11 +54,12 @@ class Backend(Protocol):
     #: The dtype of each layer's running buffers: what the results must fit in.
     dtypes: List[torch.dtype]
     empty_reason: str
-    #: Why this backend's kernel statistics may be untrusted, for the warning that names them.
-    untrusted_reason: str
 
     def old_stats(self) -> List[Stats]:
         """Each layer's running mean and variance before the pass, float64 on the CPU."""
+
+    def plan(self, batches: Optional[int]) -> None:
+        """The number of batches the pass expects to read (None: unknown), before the first."""
 
     def attached(self) -> ContextManager[Any]:
         """The model prepared for measuring; leaving the block restores it, however it is left."""
@@ -73,12 +75,6 @@ class Backend(Protocol):
 
     def collect(self) -> List[PopulationStats]:
         """This process's statistics so far, one per layer, pending calls merged."""
-
-    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
-        """Per layer, from the statistics merged over ranks, the channels whose written variance
-        may be off by more than :data:`~precise_bn.report.UNTRUSTED_RTOL` of itself because the
-        kernel's float32 statistics were kept (a worst-case bound; none when every call was
-        measured in float64)."""
 
     def finish(self, results: Sequence[Optional[Stats]]) -> None:
         """Write ``results`` (None: keep that layer's statistics) with
@@ -229,36 +225,6 @@ def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[
     return [s.finalize(unbiased) if s.count else None for s in stats]
 
 
-def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes: Sequence[torch.dtype]) -> None:
-    """Raise :class:`~precise_bn.NonFiniteStatsError` for a layer whose statistics, as they
-    are about to be written, would not be finite once stored in its buffers' dtype: ``inf`` is
-    never written."""
-    for name, result, dtype in zip(names, results, dtypes):
-        if result is None:
-            continue
-        top = torch.finfo(dtype).max
-        largest = max(float(result[0].abs().max()), float(result[1].max()))
-        if largest > top:
-            raise NonFiniteStatsError(
-                "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
-                "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
-                    name, largest, str(dtype).replace("torch.", ""), top))
-
-
-def name_untrusted(backend: Backend, stats: Sequence[PopulationStats], report: BNReport) -> None:
-    """Fill ``LayerReport.untrusted`` and name those channels in one warning."""
-    named = []
-    for layer, channels in zip(report.layers, backend.untrusted(stats)):
-        layer.untrusted = channels
-        if channels:
-            shown = ", ".join(map(str, channels[:8])) + (", ..." if len(channels) > 8 else "")
-            named.append("{} (channels {})".format(layer.name, shown))
-    if named:
-        warn("in {} layer(s) the written variance may be off by more than {:g} of itself, {}: {}. "
-             "Recompute with exact=True to measure every call in float64".format(
-                 len(named), UNTRUSTED_RTOL, backend.untrusted_reason, "; ".join(named)))
-
-
 def build_report(
     names: Sequence[str],
     old: Sequence[Stats],
@@ -346,6 +312,7 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
                 "" if len(backend.names) == 1 else "s", backend.estimator)
     old = backend.old_stats()
     planned = planned_batches(data, opts.num_batches)
+    backend.plan(planned)
     warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
     with backend.attached():
         outcome = run_pass(backend, iter(data), opts, ranks, planned, label)
@@ -363,7 +330,6 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         if opts.prior:
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
-        name_untrusted(backend, outcome.stats, report)
         logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
                     report.samples, report.seconds, report.stop)
         ranks.exchange(ACTIVE, round_="end")

@@ -140,9 +140,8 @@ class Options:
         None, "`None`: BN layers in training mode (all of them if the whole model is in eval mode); `\"all\"`; "
         "or a list of modules / qualified names")
     exact: bool = _option(
-        False, "measure every call in float64 from its input: variance within 1e-7 relative even when "
-        "mean/std = 1e4, in every layout (default: the kernel's float32 statistics, with the channels that "
-        "may miss 1e-3 named)")
+        False, "no effect, kept so that existing calls work: every call of every layer is measured in float64, "
+        "whatever this says (docs/numerics.md)")
     autocast: Union[None, bool, torch.dtype] = _option(
         None, "run the forward under `torch.autocast` (`True` or a dtype); BN stays float32")
     sync: Optional[bool] = _option(

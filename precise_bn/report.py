@@ -25,9 +25,6 @@ DEFINITIONS = {
                     "spread (heavy tails, rare outliers or activity); rtol never stops on them",
 }
 
-#: Relative error of a written variance above which a channel is named untrusted.
-UNTRUSTED_RTOL = 1e-3
-
 #: Why a pass ended: what ran out, or ``rtol`` met.
 STOP_REASONS = {
     "num_batches": "num_batches batches were read",
@@ -58,11 +55,8 @@ class LayerReport:
 
     ``mean_stderr`` and ``var_stderr`` are per-channel standard errors of ``new_mean`` and
     ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
-    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``untrusted``
-    lists the channels whose written variance may be off by more than :data:`UNTRUSTED_RTOL` of
-    itself, by a worst-case bound on the kernel's float32 statistics
-    (:mod:`precise_bn.pytorch.trust`, :mod:`precise_bn.caffe2.stats`); always empty with
-    ``exact=True``, which measures every call in float64.
+    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``new_*`` are the
+    float64 values, before their rounding into the buffers.
     With a ``prior``, ``new_*`` is what was written (source and target pooled) and
     ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
     with the old ones.
@@ -81,7 +75,6 @@ class LayerReport:
     mean_stderr: Optional[torch.Tensor] = None
     var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
-    untrusted: List[int] = field(default_factory=list)
     se_untrusted: List[int] = field(default_factory=list)
     target_mean: Optional[torch.Tensor] = None
     target_var: Optional[torch.Tensor] = None
@@ -132,7 +125,6 @@ class LayerReport:
             "var_drift": self.var_drift,
             "mean_rel_stderr": self.mean_rel_stderr,
             "var_rel_stderr": self.var_rel_stderr,
-            "untrusted": list(self.untrusted),
             "se_untrusted": list(self.se_untrusted),
         }
         keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
@@ -181,7 +173,7 @@ class BNReport:
     batches: int = 0
     samples: int = 0
     world_size: int = 1
-    estimator: str = "kernel"
+    estimator: str = "float64"
     seconds: float = 0.0
     stop: str = "data"
     rtol: Optional[float] = None

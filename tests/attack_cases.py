@@ -1,22 +1,30 @@
-"""Generated inputs built to defeat the exact bound and the default path's stated precision.
+"""Generated inputs built to defeat the promise that the written statistics are the float64
+population statistics, correctly rounded into the buffers.
 
-One seed gives one case: a small model whose BN layer sees a chosen layout, a chosen number of
-calls per forward, ragged batches, and per-channel means that start, stop, grow or jump, dead
-channels that come alive (and live ones that die), sorted batches, a late outlier batch. The
-suite runs a few hundred seeds (``tests/test_exact_attack.py``); ``benchmarks/exact_attack.py``
-runs thousands. Everything is drawn from the seed, so a failing case is reproduced by its seed.
+One seed gives one case: a small model whose BN layer sees a chosen layout, model dtype (float32,
+float64, bfloat16, float16, or float32 under bfloat16 autocast), BN class (the stock one, or a
+subclass computing ``E[x^2] - E[x]^2`` in float32 as custom BN code often does), a chosen number
+of calls per forward, ragged batches, and per-channel means that start, stop, grow or jump, dead
+channels that come alive (and live ones that die), channels constant but for one rare jump,
+sorted batches, a late outlier batch. The suite runs a few hundred seeds
+(``tests/test_exact_attack.py``); ``benchmarks/exact_attack.py`` runs thousands. Everything is
+drawn from the seed, so a failing case is reproduced by its seed.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 LAYOUTS = ("contiguous", "channels-last", "(N, C)", "(N, C, L)", "3-D", "3-D channels-last")
-PATTERNS = ("constant", "starts", "stops", "grows", "jumps", "sorted", "late outlier", "standardised first")
+PATTERNS = ("constant", "starts", "stops", "grows", "jumps", "sorted", "late outlier", "standardised first",
+            "rare jump")
+#: Model dtypes; "autocast" is a float32 model run under bfloat16 autocast behind a 1x1 layer.
+DTYPES = ("float32", "float64", "bfloat16", "float16", "autocast")
+KINDS = ("stock", "naive subclass")
 
 
 @dataclass
@@ -25,12 +33,58 @@ class Case:
     layout: str
     pattern: str
     reuse: int
+    dtype: str
+    kind: str
     model: nn.Module
     batches: List[torch.Tensor]
 
+    @property
+    def autocast(self) -> Optional[torch.dtype]:
+        return torch.bfloat16 if self.dtype == "autocast" else None
+
+    @property
+    def bn_name(self) -> str:
+        """The BN layer's qualified name in ``model``."""
+        return "1.bn" if self.dtype == "autocast" else "bn"
+
     def __str__(self) -> str:
-        return "seed {} ({}, {}, {} call(s) per forward, {} batches)".format(
-            self.seed, self.layout, self.pattern, self.reuse, len(self.batches))
+        return "seed {} ({}, {}, {}, {}, {} call(s) per forward, {} batches)".format(
+            self.seed, self.layout, self.pattern, self.dtype, self.kind, self.reuse, len(self.batches))
+
+
+class _NaiveMoments:
+    """A BN forward of its own: ``E[x^2] - E[x]^2`` in float32, running stats updated in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xf = x.float()
+        mean = xf.mean(dims)
+        var = (xf * xf).mean(dims) - mean * mean
+        if self.training:
+            momentum = 0.1 if self.momentum is None else self.momentum
+            n = x.numel() // x.shape[1]
+            with torch.no_grad():
+                self.running_mean.mul_(1 - momentum).add_(momentum * mean.to(self.running_mean.dtype))
+                unbiased = var * n / max(n - 1, 1)
+                self.running_var.mul_(1 - momentum).add_(momentum * unbiased.to(self.running_var.dtype))
+        out = (xf - mean.view(shape)) / (var.clamp(min=0).view(shape) + self.eps).sqrt()
+        return (out * self.weight.float().view(shape) + self.bias.float().view(shape)).to(x.dtype)
+
+
+NaiveBatchNorm1d = type("NaiveBatchNorm1d", (_NaiveMoments, nn.BatchNorm1d), {})
+NaiveBatchNorm2d = type("NaiveBatchNorm2d", (_NaiveMoments, nn.BatchNorm2d), {})
+NaiveBatchNorm3d = type("NaiveBatchNorm3d", (_NaiveMoments, nn.BatchNorm3d), {})
+
+
+def _front(dims: int, channels: int) -> nn.Module:
+    """An identity 1x1 layer, so that under autocast the BN layer sees a bfloat16 input."""
+    layer = nn.Linear(channels, channels) if dims == 2 else (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 3](
+        channels, channels, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(channels).view(layer.weight.shape))
+        layer.bias.zero_()
+    return layer
 
 
 class Reused(nn.Module):
@@ -81,18 +135,30 @@ def _offset(pattern: str, call: int, calls: int, jump: int, size: float) -> floa
     return 0.0
 
 
+#: Scales each dtype can hold: a float16 variance must stay below 65504.
+_SCALES = {
+    "float16": dict(ratios=(0.0, 1.0, 1e2), stds=(1e-2, 1.0), sizes=(1.0, 30.0)),
+    "default": dict(ratios=(0.0, 1.0, 1e2, 1e3, 1e4), stds=(1e-3, 1.0, 1e3), sizes=(1.0, 30.0, 1e3)),
+}
+
+
 def make_case(seed: int) -> Case:
     """The case of ``seed`` (see the module docstring)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     layout, pattern = rng.choice(LAYOUTS), rng.choice(PATTERNS)
+    dtype = rng.choice(("float32",) * 4 + DTYPES)
+    kind = rng.choice(KINDS + ("stock",))
+    if dtype == "float16" and pattern == "late outlier":
+        pattern = "jumps"
+    scales = _SCALES.get(dtype, _SCALES["default"])
     reuse = rng.choice((1, 1, 2, 3))
     channels = rng.randint(2, 6)
     calls = rng.randint(2, 14)
     jump = rng.randint(1, calls - 1)
-    size = rng.choice((1.0, 30.0, 1e3))
-    ratio = torch.tensor([rng.choice((0.0, 1.0, 1e2, 1e3, 1e4)) for _ in range(channels)], dtype=torch.float64)
-    std = torch.tensor([rng.choice((1e-3, 1.0, 1e3)) for _ in range(channels)], dtype=torch.float64)
+    size = rng.choice(scales["sizes"])
+    ratio = torch.tensor([rng.choice(scales["ratios"]) for _ in range(channels)], dtype=torch.float64)
+    std = torch.tensor([rng.choice(scales["stds"]) for _ in range(channels)], dtype=torch.float64)
     dead_until = [rng.choice((0, 0, 1, jump)) for _ in range(channels)]
     dies_at = [rng.choice((calls, calls, jump)) for _ in range(channels)]
     moving = torch.tensor([rng.random() < 0.5 for _ in range(channels)])
@@ -107,13 +173,25 @@ def make_case(seed: int) -> Case:
         shift = ratio + torch.where(moving, torch.full_like(ratio, offset), torch.zeros_like(ratio))
         x = (x + shift.view(view)) * std.view(view)
         for c in range(channels):
-            if call < dead_until[c] or call >= dies_at[c]:
+            if pattern == "rare jump" and bool(moving[c]):
+                x[:, c] = 3.7
+                if call == jump:
+                    x[(0, c) + (0,) * (x.dim() - 2)] = 3.7 + float(size)
+            elif call < dead_until[c] or call >= dies_at[c]:
                 x[:, c] = 0.0
-        batches.append(x.float())
+        batches.append(x.to(torch.float32 if dtype == "autocast" else getattr(torch, dtype)))
     if pattern == "sorted":
         batches.sort(key=lambda b: float(b.double().mean()))
     batches = [_arrange(b, layout) for b in batches]
     dims = len(batches[0].shape)
-    bn_class = nn.BatchNorm1d if dims <= 3 else nn.BatchNorm2d if dims == 4 else nn.BatchNorm3d
-    model = Reused(bn_class(channels), reuse)
-    return Case(seed, layout, pattern, reuse, model, batches)
+    stock = nn.BatchNorm1d if dims <= 3 else nn.BatchNorm2d if dims == 4 else nn.BatchNorm3d
+    naive = {nn.BatchNorm1d: NaiveBatchNorm1d, nn.BatchNorm2d: NaiveBatchNorm2d, nn.BatchNorm3d: NaiveBatchNorm3d}
+    bn_class = stock if kind == "stock" else naive[stock]
+    model: nn.Module = Reused(bn_class(channels), reuse)
+    if dtype == "autocast":
+        model = nn.Sequential(_front(dims, channels), model)
+        if layout.endswith("channels-last"):
+            model = model.to(memory_format=torch.channels_last if dims == 4 else torch.channels_last_3d)
+    else:
+        model = model.to(getattr(torch, dtype))
+    return Case(seed, layout, pattern, reuse, dtype, kind, model, batches)

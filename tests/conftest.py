@@ -7,7 +7,14 @@ even collected when the run's ``-m`` expression excludes its marker.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Compiling the float64 sums happens in a background thread once a process has measured enough;
+# the suite's passes are small, and the tests that exercise the compiled loop ask for it
+# themselves (tests/test_moments.py), so that no other test depends on when a compile ends.
+os.environ.setdefault("PRECISE_BN_COMPILE", "never")
 
 # The tests' tensors are small: one thread each. Several threads per process spin-wait for one
 # another, which on a loaded machine (other jobs, or CI's two cores) makes them many times slower.

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from precise_bn import BatchNormHelper, update_bn_stats
-from precise_bn.caffe2.stats import decode_saved_stats, untrusted_channels
-from precise_bn.report import UNTRUSTED_RTOL
+from precise_bn.caffe2.stats import UNTRUSTED_RTOL, decode_saved_stats, untrusted_channels
 from precise_bn.errors import BackendUnavailableError, ConfigError, LayerError, NonFiniteStatsError, PreciseBNWarning
 from precise_bn.estimator import PopulationStats
 from reference import _check, assert_close_exact, ulp32

@@ -1,4 +1,5 @@
-"""The per-call capture: blocks that fill and merge, the grouped flush, subclasses."""
+"""The per-call capture: every call measured in float64, blocks that fill and merge, the grouped flush,
+subclasses."""
 from __future__ import annotations
 
 
@@ -7,9 +8,8 @@ import torch
 from torch import nn
 
 from precise_bn.estimator import PopulationStats
-from precise_bn.pytorch import trust
 from precise_bn.pytorch.capture import CallCapture, calls_per_block, flush
-from reference import assert_close_default, assert_close_exact, ulp32
+from reference import assert_close_exact
 
 C = 5
 
@@ -27,9 +27,9 @@ def _reference(inputs):
     return x.mean(1), x.var(1, unbiased=False), x.shape[1]
 
 
-def _run(inputs, exact=False, block_calls=None, bn=None):
+def _run(inputs, block_calls=None, bn=None):
     bn = bn if bn is not None else nn.BatchNorm2d(inputs[0].shape[1])
-    capture = CallCapture(PopulationStats(bn.num_features, name="bn"), exact=exact, block_calls=block_calls)
+    capture = CallCapture(PopulationStats(bn.num_features, name="bn"), block_calls=block_calls)
     capture.attach(bn)
     with torch.no_grad():
         for x in inputs:
@@ -42,26 +42,19 @@ def test_blocks_fill_and_merge_to_the_float64_reference():
     inputs = _calls(75)
     capture, _ = _run(inputs, block_calls=40)
     block = next(iter(capture._blocks.values()))
-    assert block.store.shape[1] == 40 and len(block.counts) == 75 - 40
+    assert len(block.results) == len(block.counts) == 75 - 40
     stats = capture.flush()
     ref_mean, ref_var, count = _reference(inputs)
     assert (stats.count, stats.calls) == (count, 75)
-    assert_close_default(*stats.finalize(), ref_mean, ref_var, "blocks")
+    assert_close_exact(*stats.finalize(), ref_mean, ref_var, "blocks")
     assert stats.finalize()[1][1].item() == 0.0
 
 
 def test_memory_is_bounded_by_the_block_whatever_the_number_of_calls():
     capture, _ = _run(_calls(200), block_calls=8)
     block = next(iter(capture._blocks.values()))
-    assert block.store.shape[1] == 8 and len(block.counts) == 0  # 200 = 25 full blocks
+    assert len(block.results) == len(block.counts) == 0  # 200 = 25 full blocks
     assert capture.stats.calls == 200
-
-
-def test_exact_capture_matches_reference_to_the_exact_bound():
-    inputs = _calls(30)
-    capture, _ = _run(inputs, exact=True, block_calls=16)
-    ref_mean, ref_var, _ = _reference(inputs)
-    assert_close_exact(*capture.flush().finalize(), ref_mean, ref_var, "exact")
 
 
 def test_grouped_flush_equals_one_merge_per_layer():
@@ -86,7 +79,7 @@ def test_a_subclass_forward_runs_with_the_slot_as_its_buffers():
     inputs = _calls(20)
     capture, bn = _run(inputs, bn=DoublingBN(C))
     ref_mean, ref_var, _ = _reference([2 * x for x in inputs])
-    assert_close_default(*capture.flush().finalize(), ref_mean, ref_var, "subclass")
+    assert_close_exact(*capture.flush().finalize(), ref_mean, ref_var, "subclass")
     assert type(bn) is DoublingBN
 
 
@@ -130,46 +123,7 @@ def test_calls_per_block_shrinks_for_wide_layers():
     assert calls_per_block(64) == 64 and calls_per_block(2048) == 32 and calls_per_block(10 ** 6) == 16
 
 
-# --- the kernel's statistics: the worst-case bound (precise_bn.pytorch.trust); exact=True: every call in float64
-
-U = 2.0 ** -24
-
-
-def _shifted_input(shape, ratios, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    view = [1, shape[1]] + [1] * (len(shape) - 2)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) + ratios.view(view)).float()
-
-
-def _kernel_stats(x):
-    mean, var = torch.zeros(x.shape[1]), torch.zeros(x.shape[1])
-    torch.nn.functional.batch_norm(x, mean, var, None, None, True, 1.0, 1e-5)
-    return mean, var
-
-
-def test_the_cpu_kernel_rounds_the_mean_once_where_trust_says_it_sums_in_double():
-    """The claims the bound rests on, against the CPU kernel: the mean within half an ulp, the
-    unbiased variance within the six roundings plus the centring bias (u r)^2, up to mean/std 1e4."""
-    ratios = torch.logspace(-1, 4, 16, dtype=torch.float64)
-    for shape in ((8, 16, 6, 6), (8, 16, 20), (4, 16, 2, 4, 4), (2, 16, 64, 64)):
-        x = _shifted_input(shape, ratios)
-        assert trust.double_accumulated(x), shape
-        mean, var = _kernel_stats(x)
-        rows = x.double().transpose(0, 1).reshape(16, -1)
-        ref_mean, ref_var = rows.mean(1), rows.var(1)
-        half_ulp = ulp32(mean.double()) / 2
-        assert ((mean.double() - ref_mean).abs() <= half_ulp).all(), shape
-        r = ref_mean.abs() / ref_var.sqrt()
-        assert ((var.double() - ref_var).abs() / ref_var <= trust.DOUBLE_SUM_VAR_ROUNDING + (U * r) ** 2).all(), shape
-
-
-def test_layouts_the_kernel_sums_in_float32_are_not_taken_for_double_sums():
-    x = torch.randn(8, 16, 6, 6)
-    assert trust.double_accumulated(x)
-    for other in (x.contiguous(memory_format=torch.channels_last), torch.randn(8, 16), torch.randn(8, 16, 1, 1),
-                  torch.randn(8, 1, 6, 6), x.transpose(2, 3), x.double(), x.half(),
-                  torch.randn(2, 16, 3, 4, 4).contiguous(memory_format=torch.channels_last_3d)):
-        assert not trust.double_accumulated(other), other.shape
+# --- every call measured in float64, whatever the kernel computes
 
 
 def _reference_of(inputs):
@@ -207,29 +161,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_worst_case_bound_holds_for_the_kernels_statistics(layout):
-    """The default path's merged variance is within the bound variance_error_bound states, on
-    calls built to hurt it, in every layout (the bound is larger where the kernel sums in float32)."""
+def test_every_call_is_measured_in_float64_whatever_the_calls(layout):
     inputs = _hostile_calls(LAYOUTS[layout])
     bn = nn.BatchNorm1d(6) if inputs[0].dim() < 4 else None
-    capture, _ = _run(inputs, bn=bn)
-    stats = capture.flush()
-    mean, var = stats.finalize()
-    ref_mean, ref_var, _ = _reference_of(inputs)
-    bound = trust.variance_error_bound(stats, capture.float32_elements)
-    assert (capture.float32_elements == 0) == (layout in ("contiguous", "(N, C, L)"))
-    rel = (var - ref_var).abs() / ref_var
-    assert (rel <= bound).all(), (layout, rel, bound)
-    assert bound[0] > 1e-4  # mean/std 1e4: the bound is not vacuous there ...
-    assert bound[3] < 1e-5 or capture.float32_elements  # ... nor loose where the mean is small
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_exact_measures_every_call_in_float64_whatever_the_calls(layout):
-    inputs = _hostile_calls(LAYOUTS[layout])
-    bn = nn.BatchNorm1d(6) if inputs[0].dim() < 4 else None
-    capture, _ = _run(inputs, exact=True, block_calls=5, bn=bn)
-    assert all(not block.counts for block in capture._blocks.values()) and capture.float32_elements == 0
+    capture, _ = _run(inputs, block_calls=5, bn=bn)
     ref_mean, ref_var, _ = _reference_of(inputs)
     assert_close_exact(*capture.flush().finalize(), ref_mean, ref_var, layout)
 

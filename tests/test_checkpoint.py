@@ -21,7 +21,7 @@ from precise_bn import __version__
 from precise_bn.checkpoint.serializers import SAFE_LOAD_AVAILABLE
 from precise_bn.cli import main
 from precise_bn.cli.data_specs import resolve_data
-from reference import assert_close_default, assert_close_exact, float64_reference
+from reference import assert_close_exact, float64_reference
 
 BN_NAMES = ("1", "4", "9")
 FACTORIES = ["--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
@@ -39,7 +39,7 @@ def check_stats(state: dict, prefix: str, net: torch.nn.Module, data, exact: boo
     """The written running stats against the float64 reference of ``net`` over ``data``."""
     ref = float64_reference(net, data)
     assert sorted(ref) == sorted(BN_NAMES)
-    check = assert_close_exact if exact else assert_close_default
+    check = assert_close_exact
     for name, (mean, var, _) in ref.items():
         check(state[prefix + name + ".running_mean"], state[prefix + name + ".running_var"], mean, var, name)
 
@@ -137,7 +137,7 @@ def test_recompute_layout_keeps_other_keys_and_matches_reference(kind, exact, tm
     if provenance is not None:
         assert provenance["samples"] == samples and provenance["iterations"] == len(data)
         assert provenance["version"] == __version__ and provenance["world_size"] == 1
-        assert provenance["estimator"] == ("exact" if exact else "kernel") and provenance["layers"] == 3
+        assert provenance["estimator"] == "float64" and provenance["layers"] == 3
     report = json.loads(report_file.read_text())
     assert report["samples"] == samples and report["prefix"] == prefix
     assert [layer["name"] for layer in report["layers"]] == list(BN_NAMES)

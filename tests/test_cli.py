@@ -24,14 +24,14 @@ from precise_bn.cli.show import drift_figure, plot_drift
 from precise_bn.cli.specs import resolve_model
 from precise_bn.errors import BackendUnavailableError, ConfigError
 from precise_bn.report import DEFINITIONS, LayerReport
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def _check_against_reference(state, prefix, net, data):
     ref = float64_reference(net, data)
     assert ref, "no BN layer ran in the reference"
     for name, (mean, var, _) in ref.items():
-        assert_close_default(state[prefix + name + ".running_mean"], state[prefix + name + ".running_var"], mean, var, name)
+        assert_close_exact(state[prefix + name + ".running_mean"], state[prefix + name + ".running_var"], mean, var, name)
     return ref
 
 

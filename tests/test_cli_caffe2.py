@@ -12,12 +12,12 @@ from cli_factories import Caffe2StyleNet, batches, small_net
 from cli_helpers import TRUST, assert_same_except, load, run_cli
 from precise_bn.checkpoint.state import STAT_SUFFIXES
 from precise_bn.cli import main
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def _check_against_reference(state, net):
     mean, var, _ = float64_reference(net, batches())["bn1"]
-    assert_close_default(state["bn1.running_mean"], state["bn1.running_var"], mean, var, "bn1")
+    assert_close_exact(state["bn1.running_mean"], state["bn1.running_var"], mean, var, "bn1")
 
 
 def _caffe2_blobs(net: Caffe2StyleNet):

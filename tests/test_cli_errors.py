@@ -16,7 +16,7 @@ from cli_helpers import TRUST, load, run_cli
 from precise_bn.checkpoint.formats import detect_format
 from precise_bn.cli.failures import one_line
 from precise_bn.cli.tables import table
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 FACTORIES = ["--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
 
@@ -149,7 +149,7 @@ def test_a_legacy_torch_file_named_pkl_is_read_as_one(tmp_path, capsys):
     written = load(out)
     assert written["epoch"] == 9
     for name, (mean, var, _) in float64_reference(net, batches()).items():
-        assert_close_default(written["state_dict"][name + ".running_mean"], written["state_dict"][name + ".running_var"],
+        assert_close_exact(written["state_dict"][name + ".running_mean"], written["state_dict"][name + ".running_var"],
                              mean, var, name)
     assert detect_format(str(out)) == "torch"  # and read back as one, not as a Caffe2 pickle
 

@@ -17,7 +17,7 @@ import cli_factories
 from cli_factories import batches, trained_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn.atomic import SUFFIX, TAG
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 COUNTED = ["--model", "cli_factories:small_net", "--data", "cli_factories:counted_batches"]
 BN_NAMES = ("1", "4", "9")
@@ -47,7 +47,7 @@ def _refused(capsys, ckpt_path, *args):
 
 def _check_stats(state, net, prefix=""):
     for name, (mean, var, _) in float64_reference(net, batches()).items():
-        assert_close_default(state[prefix + name + ".running_mean"], state[prefix + name + ".running_var"], mean, var, name)
+        assert_close_exact(state[prefix + name + ".running_mean"], state[prefix + name + ".running_var"], mean, var, name)
 
 
 def test_outputs_that_would_destroy_an_input_or_each_other_are_refused(ckpt, tmp_path, capsys):

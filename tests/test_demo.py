@@ -13,7 +13,7 @@ import torch
 
 from cli_helpers import REPO, load, run_cli
 from precise_bn.digits import DATA_FILE, evaluate, load_digits, make_model
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def test_demo_command_end_to_end(tmp_path, capsys):
@@ -46,7 +46,7 @@ def test_demo_command_end_to_end(tmp_path, capsys):
     ref = float64_reference(net, used)
     assert len(ref) == 4
     for name, (mean, var, _) in ref.items():
-        assert_close_default(written["model"][name + ".running_mean"], written["model"][name + ".running_var"], mean, var, name)
+        assert_close_exact(written["model"][name + ".running_mean"], written["model"][name + ".running_var"], mean, var, name)
 
 
 def test_bundled_digits_are_a_fixed_stratified_split():

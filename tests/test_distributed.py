@@ -25,7 +25,7 @@ import precise_bn
 from precise_bn import PopulationStats, recompute
 from precise_bn import distributed
 from precise_bn.options import OPTION_FIELDS, Options
-from reference import assert_close_default, assert_close_exact, float64_reference
+from reference import assert_close_exact, float64_reference
 
 SPAWN_TIMEOUT_S = 900.0  # a hang guard: a spawn takes seconds
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(precise_bn.__file__)))
@@ -82,12 +82,12 @@ def assert_matches_reference(results, batches, check, what):
 
 
 MERGED = {
-    "kernel": (W.UNEVEN, assert_close_default),
+    "kernel": (W.UNEVEN, assert_close_exact),
     "exact": (W.UNEVEN, assert_close_exact),
-    "ddp": (W.UNEVEN, assert_close_default),
-    "ddp_no_broadcast": (W.UNEVEN, assert_close_default),
-    "empty_rank": (W.RANK1_EMPTY, assert_close_default),
-    "syncbn": (W.UNEVEN, assert_close_default),
+    "ddp": (W.UNEVEN, assert_close_exact),
+    "ddp_no_broadcast": (W.UNEVEN, assert_close_exact),
+    "empty_rank": (W.RANK1_EMPTY, assert_close_exact),
+    "syncbn": (W.UNEVEN, assert_close_exact),
 }
 
 
@@ -123,7 +123,7 @@ def test_helper_and_hook_merge_across_ranks(world_runs, name):
         b for rank in range(world) for b in W.cycled(W.rank_batches(W.UNEVEN, rank), W.HELPER_ITERS)
     ]
     assert_identical_on_all_ranks(per_rank, name)
-    assert_matches_reference(per_rank, seen, assert_close_default, name)
+    assert_matches_reference(per_rank, seen, assert_close_exact, name)
 
 
 def test_merge_over_a_subgroup(world_runs):
@@ -131,10 +131,10 @@ def test_merge_over_a_subgroup(world_runs):
     assert [r["world_size"] for r in per_rank] == [2, 2] + [1] * (world - 2)
     assert_identical_on_all_ranks(per_rank[:2], "subgroup")
     inside = W.union_batches(W.UNEVEN, 2)
-    assert_matches_reference(per_rank[:2], inside, assert_close_default, "subgroup")
+    assert_matches_reference(per_rank[:2], inside, assert_close_exact, "subgroup")
     for rank in range(2, world):
         alone = W.rank_batches(W.UNEVEN, rank)
-        assert_matches_reference([per_rank[rank]], alone, assert_close_default, "rank {}".format(rank))
+        assert_matches_reference([per_rank[rank]], alone, assert_close_exact, "rank {}".format(rank))
 
 
 def test_per_rank_option_keeps_each_ranks_own_stats(world_runs):
@@ -142,7 +142,7 @@ def test_per_rank_option_keeps_each_ranks_own_stats(world_runs):
     for rank, result in enumerate(per_rank):
         assert result["world_size"] == 1
         alone = W.rank_batches(W.UNEVEN, rank)
-        assert_matches_reference([result], alone, assert_close_default, "rank {}".format(rank))
+        assert_matches_reference([result], alone, assert_close_exact, "rank {}".format(rank))
     assert not torch.equal(per_rank[0]["buffers"]["1"][0], per_rank[1]["buffers"]["1"][0])
 
 
@@ -184,8 +184,8 @@ def test_prior_pools_the_samples_of_every_rank_and_undo_restores_every_rank(worl
             mean = (8 * mean_s + samples * mean_t) / total
             var = (8 * var_s + samples * var_t) / total + 8 * samples * (mean_s - mean_t) ** 2 / total ** 2
             new_mean, new_var, _, _ = per_rank[0]["layers"][name]
-            assert_close_default(new_mean, new_var, mean, var, name)
-            assert_close_default(*per_rank[0]["targets"][name], mean_t, var_t, name)
+            assert_close_exact(new_mean, new_var, mean, var, name)
+            assert_close_exact(*per_rank[0]["targets"][name], mean_t, var_t, name)
     assert all(r["undone"] for r in per_rank)
 
 
@@ -232,14 +232,14 @@ def test_a_rank_without_bn_layers_fails_every_rank_at_once_and_the_next_call_wor
         assert "3 layer(s), 15 channels (1:4, 4:6, 9:5) on {}".format(others) in message, message
     again = [r["again"] for r in per_rank]
     assert_identical_on_all_ranks(again, "the next call")
-    assert_matches_reference(again, W.union_batches(W.UNEVEN, world), assert_close_default, "the next call")
+    assert_matches_reference(again, W.union_batches(W.UNEVEN, world), assert_close_exact, "the next call")
 
 
 def test_no_bn_layer_on_any_rank_returns_together_and_the_next_call_works(world_runs):
     world, per_rank = scenario(world_runs, "no_layer_anywhere")
     assert [(r["layers"], r["world_size"]) for r in per_rank] == [(0, world)] * world
     again = [r["again"] for r in per_rank]
-    assert_matches_reference(again, W.union_batches(W.UNEVEN, world), assert_close_default, "the next call")
+    assert_matches_reference(again, W.union_batches(W.UNEVEN, world), assert_close_exact, "the next call")
 
 
 @pytest.mark.parametrize("option", sorted(W.DISAGREEING))
@@ -305,7 +305,7 @@ def test_a_group_without_this_rank_is_refused_before_anything_runs(world_runs):
                     in error["message"], error
             assert result["unchanged"]
         assert result["alone"]["world_size"] == 1
-        assert_matches_reference([result["alone"]], W.rank_batches(W.UNEVEN, rank), assert_close_default, "alone")
+        assert_matches_reference([result["alone"]], W.rank_batches(W.UNEVEN, rank), assert_close_exact, "alone")
 
 
 def test_single_process_is_the_identity():
@@ -327,7 +327,7 @@ def test_syncbn_on_one_process_matches_reference_and_is_restored(exact):
     model = W.make_model(sync_bn=True)
     batches = W.union_batches(W.UNEVEN, 3)
     report = recompute(model, batches, exact=exact)
-    check = assert_close_exact if exact else assert_close_default
+    check = assert_close_exact
     for name, (ref_mean, ref_var, count) in float64_reference(W.make_model(), batches).items():
         module = dict(model.named_modules())[name]
         assert isinstance(module, nn.SyncBatchNorm) and "forward" not in vars(module)
@@ -378,7 +378,7 @@ def test_torchrun_example_env_init(tmp_path):
     dataset = example.make_dataset()
     batches = [b[0] for rank in range(2) for b in example.shard_loader(dataset, rank, 2)]
     for name, (ref_mean, ref_var, _) in float64_reference(example.make_model(), batches).items():
-        assert_close_default(
+        assert_close_exact(
             state[name + ".running_mean"], state[name + ".running_var"], ref_mean, ref_var, name
         )
 

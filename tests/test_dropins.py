@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim import swa_utils
 
 from precise_bn import BNReport, EmptyDataError, PreciseBNWarning, update_bn, update_bn_stats
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 pytestmark = pytest.mark.main_env
 
@@ -87,7 +87,7 @@ def test_slowfast_style_loader_works_unchanged_and_matches_the_reference():
     for name in ("slow.1", "fast.1"):
         ref_mean, ref_var, _ = reference[name]
         module = dict(model.named_modules())[name]
-        assert_close_default(module.running_mean, module.running_var, ref_mean, ref_var, name)
+        assert_close_exact(module.running_mean, module.running_var, ref_mean, ref_var, name)
         theirs = dict(fv_model.named_modules())[name]
         torch.testing.assert_close(module.running_var, theirs.running_var, rtol=1e-4, atol=1e-5)
     assert report.samples == 2 * len(batches)
@@ -143,7 +143,7 @@ def test_fvcore_eval_mode_model_and_large_means():
     fvcore_update_bn_stats(theirs, batches, num_iters=6)
     assert torch.equal(theirs.running_var, torch.ones(2)) and not ours.training
     ref_mean, ref_var, _ = float64_reference(nn.BatchNorm2d(2), batches)[""]
-    assert_close_default(ours.running_mean, ours.running_var, ref_mean, ref_var)
+    assert_close_exact(ours.running_mean, ours.running_var, ref_mean, ref_var)
     trained = nn.BatchNorm2d(2)
     fvcore_update_bn_stats(trained, batches, num_iters=6)
     assert abs(float(trained.running_var[0]) - float(ref_var[0])) > 0.05 * float(ref_var[0])
@@ -196,7 +196,7 @@ def test_swa_drop_in_mean_is_swas_and_variance_the_populations():
     swa_utils.update_bn([(x, 0) for x in images], theirs)
     torch.testing.assert_close(ours.bn.running_mean, theirs.bn.running_mean, rtol=1e-5, atol=1e-5)
     ref_mean, ref_var, _ = float64_reference(nn.Sequential(nn.BatchNorm2d(3)), images)["0"]
-    assert_close_default(ours.bn.running_mean, ours.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(ours.bn.running_mean, ours.bn.running_var, ref_mean, ref_var)
     assert not torch.allclose(theirs.bn.running_var, ref_var.float(), rtol=1e-4, atol=0)
 
 
@@ -286,7 +286,7 @@ def test_every_swa_difference_in_the_dropins_table():
         model.drop.forward = lambda x, original=original: (modes.append(original.__self__.training), original(x))[1]
     assert update_bn(ragged, ours) is not None and swa_utils.update_bn(ragged, theirs) is None
     ref_mean, ref_var, _ = float64_reference(nn.Sequential(nn.BatchNorm2d(3)), ragged)["0"]
-    assert_close_default(ours.bn.running_mean, ours.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(ours.bn.running_mean, ours.bn.running_var, ref_mean, ref_var)
     assert (theirs.bn.running_mean - ref_mean.float()).abs().max() > 0.1  # equal weights per batch
     assert modes == [False] * 3 + [True] * 3  # swa_utils switched dropout to training mode
     assert float(theirs.bn.num_batches_tracked) == 3 and float(ours.bn.num_batches_tracked) == 0
@@ -312,30 +312,39 @@ def test_every_swa_difference_in_the_dropins_table():
         assert model.bn.momentum == (None if run is swa_utils.update_bn else 0.3)
 
 
-def test_untrusted_and_overflowing_statistics_differ_from_both_originals_as_the_table_says():
-    """Channels-last input at mean/std 1e4: both originals are silent, ours names the channels;
+def test_far_tiny_and_overflowing_statistics_differ_from_both_originals_as_the_table_says():
+    """Channels-last input at mean/std 1e4: both originals are silently off, ours is exact;
+    a variance of 1e-50: both originals write it silently, ours writes it rounded and says so;
     inputs of 1e20: both originals write non-finite statistics, ours raises and changes nothing."""
     from precise_bn import NonFiniteStatsError
 
     gen = torch.Generator().manual_seed(5)
     far = [(torch.randn(64, 3, 16, 16, generator=gen) + 1e4).contiguous(memory_format=torch.channels_last)
            for _ in range(2)]
+    tiny = [torch.randn(8, 3, 4, 4, generator=gen) * 1e-25 for _ in range(2)]
     huge = [torch.randn(4, 3, 4, 4, generator=gen) * 1e20 for _ in range(2)]
+    ref_mean, ref_var, _ = float64_reference(nn.Sequential(nn.BatchNorm2d(3)), far)["0"]
     originals = (lambda m, data: fvcore_update_bn_stats(m, data, len(data)),
                  lambda m, data: swa_utils.update_bn(data, m))
     for original in originals:
+        bn = nn.BatchNorm2d(3)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            original(nn.BatchNorm2d(3), far)
+            original(bn, far)
+            original(nn.BatchNorm2d(3), tiny)
         assert not seen, [str(w.message) for w in seen]
+        assert ((bn.running_var.double() - ref_var).abs() / ref_var).max() > 1e-5  # ours: 1e-7
         bn = nn.BatchNorm2d(3)
         original(bn, huge)
         assert not torch.isfinite(bn.running_var).all()
     for ours in (lambda m, data: update_bn_stats(m, data, len(data)), lambda m, data: update_bn(data, m)):
         bn = nn.BatchNorm2d(3)
-        with pytest.warns(PreciseBNWarning, match="may be off by more than 0.001"):
-            report = ours(bn, far)
-        assert report.layers[0].untrusted == [0, 1, 2]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours(bn, far)
+        assert_close_exact(bn.running_mean, bn.running_var, ref_mean, ref_var, "mean/std 1e4, channels-last")
+        with pytest.warns(PreciseBNWarning, match="below the smallest normal float32"):
+            ours(nn.BatchNorm2d(3), tiny)
         bn = nn.BatchNorm2d(3)
         before = copy.deepcopy(bn.state_dict())
         with pytest.raises(NonFiniteStatsError):

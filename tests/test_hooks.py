@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from precise_bn import BatchError, ConfigError, EmptyDataError, PreciseBNWarning, recompute
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.hooks import PreciseBNHook
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -51,7 +51,7 @@ def expected_stats(model: nn.Module, batches):
     recompute(ref, batches)
     stats = bn_stats(ref)
     for name, (mean, var, _) in float64_reference(model, batches).items():
-        assert_close_default(stats[name][0], stats[name][1], mean, var, what=name)
+        assert_close_exact(stats[name][0], stats[name][1], mean, var, what=name)
     return stats
 
 

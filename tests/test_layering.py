@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 # holding it; the package root (re-exports) and ``__main__`` sit above everything.
 LAYERS = [
     ["errors", "_version", "signals", "atomic", "digits", "rng", "tails"],
-    ["options", "estimator", "slices"],
+    ["options", "estimator", "slices", "moments", "buffers"],
     ["data", "distributed", "report", "snapshot", "precision"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],

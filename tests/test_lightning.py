@@ -18,7 +18,7 @@ from precise_bn import BackendUnavailableError, BatchError, ConfigError, Precise
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.lightning import PreciseBNCallback
 import test_training_unchanged as unchanged
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 pytestmark = pytest.mark.main_env
 
@@ -105,7 +105,7 @@ def test_checkpoints_carry_the_stats_validation_used(tmp_path: Path, attribute):
                 seen = net.validated[step][name]
                 assert torch.equal(seen[0], mean) and torch.equal(seen[1], var), (path, name)
         for name, (mean, var, _) in float64_reference(replay.model, used[step]).items():
-            assert_close_default(saved[name][0], saved[name][1], mean, var, what="{} {}".format(path.name, name))
+            assert_close_exact(saved[name][0], saved[name][1], mean, var, what="{} {}".format(path.name, name))
 
 
 def test_stats_written_into_a_collected_copy_of_the_state_dict():
@@ -148,7 +148,7 @@ def test_ddp_merges_every_rank_shard(tmp_path: Path):
     # depend on which samples share a batch, can be replayed: over all 32 samples, not one shard.
     mean, var, count = float64_reference(replay.model, [x for x, _ in train], names=["1"])["1"]
     assert count == 32 * 4 * 4
-    assert_close_default(saved["1"][0], saved["1"][1], mean, var, what="merged layer 1")
+    assert_close_exact(saved["1"][0], saved["1"][1], mean, var, what="merged layer 1")
 
 
 def test_validate_without_training_data_leaves_the_stats_and_warns():

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from precise_bn import ConfigError
 from precise_bn.mmengine import ExactPreciseBNHook, mm_forward
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 pytestmark = pytest.mark.main_env
 
@@ -103,7 +103,7 @@ def test_the_hook_recomputes_before_validation_and_checkpoints_in_a_real_runner(
         ref = _reference(state)
         for name in ("1", "5"):
             mean, var = state["net.{}.running_mean".format(name)], state["net.{}.running_var".format(name)]
-            assert_close_default(mean, var, ref[name][0], ref[name][1], "epoch {} layer {}".format(epoch, name))
+            assert_close_exact(mean, var, ref[name][0], ref[name][1], "epoch {} layer {}".format(epoch, name))
             assert torch.equal(validated["net.{}.running_mean".format(name)], mean)
             assert torch.equal(validated["net.{}.running_var".format(name)], var)
 
@@ -117,7 +117,7 @@ def test_interval_counts_epochs_and_validation_alone_changes_nothing(tmp_path):
     assert not torch.allclose(first["net.1.running_var"], ref["1"][1].float(), rtol=1e-3)  # epoch 1: not due
     second = torch.load(str(tmp_path / "epoch_2.pth"), map_location="cpu", weights_only=False)["state_dict"]
     ref = _reference(second)
-    assert_close_default(second["net.1.running_mean"], second["net.1.running_var"], ref["1"][0], ref["1"][1])
+    assert_close_exact(second["net.1.running_mean"], second["net.1.running_var"], ref["1"][0], ref["1"][1])
     fresh = Net()
     fresh.load_state_dict(first)
     before = copy.deepcopy(fresh.state_dict())

@@ -18,7 +18,7 @@ from cli_helpers import TRUST, load, run_cli
 from interrupt_cases import make_batches, make_model, model_state
 from precise_bn import ConfigError, UndoError, recalibrated, recompute
 from precise_bn.cli.parser import build_parser
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 
 def _bns(model: nn.Module):
@@ -183,11 +183,11 @@ def test_prior_pools_source_and_target_as_one_population_of_samples(prior, shift
     _set_source(model, source)
     report = recompute(model, target, prior=prior, progress=False)
     pooled = float64_reference(model, source + target)["bn"]
-    assert_close_default(model.bn.running_mean, model.bn.running_var, pooled[0], pooled[1], "bn")
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, pooled[0], pooled[1], "bn")
     layer = report["bn"]
     assert torch.equal(layer.new_mean.float(), model.bn.running_mean)
     target_ref = float64_reference(model, target)["bn"]
-    assert_close_default(layer.target_mean, layer.target_var, target_ref[0], target_ref[1], "bn target")
+    assert_close_exact(layer.target_mean, layer.target_var, target_ref[0], target_ref[1], "bn target")
     p = prior / (prior + 64)
     robusta = p * layer.old_var + (1 - p) * target_ref[1]
     gap = ((pooled[1] - robusta) / pooled[1]).abs().max()
@@ -229,7 +229,7 @@ def test_unbiased_applies_to_the_target_variance_before_pooling():
     var_t = var_t * count / (count - 1)
     mean = (16 * mean_s + 16 * mean_t) / 32
     var = (16 * var_s + 16 * var_t) / 32 + 16 * 16 * (mean_s - mean_t) ** 2 / 32 ** 2
-    assert_close_default(model.bn.running_mean, model.bn.running_var, mean, var, "bn")
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, mean, var, "bn")
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "8"])
@@ -253,4 +253,4 @@ def test_the_command_line_takes_prior(tmp_path, capsys):
         mean_s, var_s = net.state_dict()[name + ".running_mean"].double(), net.state_dict()[name + ".running_var"].double()
         mean = (16 * mean_s + n * mean_t) / (16 + n)
         var = (16 * var_s + n * var_t) / (16 + n) + 16 * n * (mean_s - mean_t) ** 2 / (16 + n) ** 2
-        assert_close_default(state[name + ".running_mean"], state[name + ".running_var"], mean, var, name)
+        assert_close_exact(state[name + ".running_mean"], state[name + ".running_var"], mean, var, name)

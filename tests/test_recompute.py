@@ -18,7 +18,7 @@ from precise_bn import (
     update_bn,
     recompute,
 )
-from reference import assert_close_default, assert_close_exact, float64_reference
+from reference import assert_close_exact, float64_reference
 
 C = 5
 HUGE = 0  # channel whose mean is 1e4 times its std
@@ -83,20 +83,30 @@ def _buffers(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_each_bn_kind_matches_float64_reference(kind, exact):
+def test_each_bn_kind_matches_float64_reference(kind):
     factory, shapes = KINDS[kind]
     model = BNOnly(factory())
     batches = make_batches(shapes)
     ref_mean, ref_var, count = float64_reference(model, batches)["bn"]
-    report = recompute(model, batches, num_batches=len(batches), exact=exact)
+    report = recompute(model, batches, num_batches=len(batches))
     layer = report["bn"]
     assert layer.elements == count and layer.calls == len(batches)
-    check = assert_close_exact if exact else assert_close_default
-    check(layer.new_mean, layer.new_var, ref_mean, ref_var, kind + " (float64 result)")
-    check(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var, kind + " (buffers)")
+    assert_close_exact(layer.new_mean, layer.new_var, ref_mean, ref_var, kind + " (float64 result)")
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var, kind + " (buffers)")
     assert model.bn.running_var[DEAD].item() == 0.0
+
+
+def test_exact_is_a_no_op_kept_for_existing_calls():
+    factory, shapes = KINDS[sorted(KINDS)[0]]
+    batches = make_batches(shapes)
+    written = []
+    for exact in (False, True):
+        torch.manual_seed(0)
+        model = BNOnly(factory())
+        recompute(model, batches, exact=exact)
+        written.append(model.state_dict())
+    assert all(torch.equal(written[0][key], written[1][key]) for key in written[0])
 
 
 def test_lazy_bn_once_materialised_and_refused_before():
@@ -108,7 +118,7 @@ def test_lazy_bn_once_materialised_and_refused_before():
         lazy(batches[0])
     ref_mean, ref_var, _ = float64_reference(lazy, batches)["bn"]
     recompute(lazy, batches, num_batches=2)
-    assert_close_default(lazy.bn.running_mean, lazy.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(lazy.bn.running_mean, lazy.bn.running_var, ref_mean, ref_var)
 
 
 class Network(nn.Module):
@@ -147,15 +157,14 @@ def _network_and_batches(seed=0):
     return model, batches
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
-def test_reused_partly_used_and_unused_layers(exact):
+def test_reused_partly_used_and_unused_layers():
     model, batches = _network_and_batches()
     model.drop.eval()  # the reference and the pass must see the same activations
     before = _buffers(model)
     ref = float64_reference(model, batches)
     with pytest.warns(PreciseBNWarning, match="never"):
-        report = recompute(model, batches, num_batches=10, exact=exact)
-    check = assert_close_exact if exact else assert_close_default
+        report = recompute(model, batches, num_batches=10)
+    check = assert_close_exact
     for name in ("bn1", "shared", "branch", "bn_head"):
         mean, var, count = ref[name]
         check(report[name].new_mean, report[name].new_var, mean, var, name)
@@ -194,7 +203,7 @@ def test_eval_mode_model_recomputes_all_layers_and_stays_in_eval():
         report = recompute(model, batches, num_batches=5)
     assert {layer.name for layer in report.layers} == {"bn1", "shared", "branch", "never", "bn_head"}
     mean, var, _ = ref["bn1"]
-    assert_close_default(model.bn1.running_mean, model.bn1.running_var, mean, var)
+    assert_close_exact(model.bn1.running_mean, model.bn1.running_var, mean, var)
     assert not any(m.training for m in model.modules())
 
 
@@ -241,7 +250,7 @@ def test_batch_conventions(wrap):
         kwargs = {"forward_fn": lambda m, b: m(b["pixels"])}
     report = recompute(model, data, num_batches=2, **kwargs)
     assert report.samples == 5
-    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
 
 
 def test_num_samples_budget_and_short_loader_warning():
@@ -250,7 +259,7 @@ def test_num_samples_budget_and_short_loader_warning():
     report = recompute(model, batches, num_samples=10)
     assert report.batches == 3 and report.samples == 12
     ref_mean, ref_var, _ = float64_reference(model, batches[:3])["bn"]
-    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
     with pytest.warns(PreciseBNWarning, match=r"5 batches.*num_batches=8"):
         assert recompute(model, batches, num_batches=8).batches == 5
     with pytest.warns(PreciseBNWarning, match=r"20 samples.*num_samples=100"):
@@ -317,14 +326,13 @@ def _failing(batches, at, exc):
 
 
 @pytest.mark.parametrize("exc", [Boom("data broke"), KeyboardInterrupt()], ids=["exception", "interrupt"])
-@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
-def test_failure_mid_pass_leaves_model_exactly_as_it_was(exc, exact):
+def test_failure_mid_pass_leaves_model_exactly_as_it_was(exc):
     model, batches = _network_and_batches()
     model.bn_head.eval()
     before = _buffers(model)
     flags = {n: (m.training, getattr(m, "momentum", None)) for n, m in model.named_modules()}
     with pytest.raises(type(exc)):
-        recompute(model, _failing(batches, 3, exc), num_batches=10, exact=exact)
+        recompute(model, _failing(batches, 3, exc), num_batches=10)
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
     assert flags == {n: (m.training, getattr(m, "momentum", None)) for n, m in model.named_modules()}
@@ -364,7 +372,7 @@ def test_nan_in_old_buffers_does_not_leak():
     batches = make_batches([(2, C, 3, 3), (3, C, 3, 3)])
     ref_mean, ref_var, _ = float64_reference(model, batches)["bn"]
     recompute(model, batches, num_batches=2)
-    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
 
 
 def test_unbiased_option_and_momentum_none():
@@ -383,7 +391,7 @@ def test_ddp_like_wrapper_is_unwrapped_and_device_moves_batches():
     report = recompute(model, [(x.double(), 0) for x in batches], num_batches=2,
                              forward_fn=lambda m, b: m(b[0].float()), device="cpu")
     assert report.batches == 2
-    assert_close_default(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
+    assert_close_exact(model.bn.running_mean, model.bn.running_var, ref_mean, ref_var)
 
 
 def test_autocast_keeps_bn_in_float32():
@@ -427,7 +435,7 @@ def test_update_bn_drop_in_covers_whole_loader_and_all_layers():
         report = update_bn(data, model)
     assert report.batches == 3 * len(batches)
     mean, var, _ = ref["bn1"]
-    assert_close_default(model.bn1.running_mean, model.bn1.running_var, mean, var)
+    assert_close_exact(model.bn1.running_mean, model.bn1.running_var, mean, var)
     assert not model.bn1.training
 
 
@@ -468,5 +476,5 @@ def test_a_compiled_model_is_reported_under_the_users_layer_names():
     assert never.unused == ["4"] and any("never ran" in str(w.message) and ": 4" in str(w.message) for w in caught)
     for name in ("1", "4"):
         module = dict(model.named_modules())[name]
-        assert_close_default(report[name].new_mean, report[name].new_var, *reference[name][:2], name)
+        assert_close_exact(report[name].new_mean, report[name].new_var, *reference[name][:2], name)
         assert type(module) is nn.BatchNorm2d

@@ -10,7 +10,7 @@ import torch
 
 import dist_workers as W
 import wrapper_workers as S
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 from test_distributed import SPAWN_TIMEOUT_S, assert_identical_on_all_ranks, assert_matches_reference
 
 pytestmark = pytest.mark.main_env  # FSDP2, Accelerate and Lightning
@@ -37,7 +37,7 @@ def test_one_vs_nine_batches_match_the_union_and_the_plain_model_bit_for_bit(run
     for result in per_rank:
         assert "error" not in result, result
     assert_identical_on_all_ranks(per_rank, name)
-    assert_matches_reference(per_rank, W.union_batches(S.ONE_VS_NINE, 2), assert_close_default, name)
+    assert_matches_reference(per_rank, W.union_batches(S.ONE_VS_NINE, 2), assert_close_exact, name)
     plain = scenario(runs, "plain_uneven")[0]
     for layer, (mean, var) in plain["buffers"].items():
         assert torch.equal(per_rank[0]["buffers"][layer][0], mean), (name, layer)
@@ -67,7 +67,7 @@ def test_a_shard_the_size_of_a_header_gives_the_union_statistics(runs):
     (ref_mean, ref_var, count), = float64_reference(S.header_model(), batches).values()
     for result in per_rank:
         mean, var = result["buffers"]["1"]
-        assert_close_default(mean, var, ref_mean, ref_var, "header-sized shard")
+        assert_close_exact(mean, var, ref_mean, ref_var, "header-sized shard")
         assert result["layers"]["1"][2] == count
 
 
@@ -92,7 +92,7 @@ def test_after_a_timeout_the_users_group_and_later_calls_still_work(runs):
         assert result["unchanged"] and result["all_reduce"] == 2.0
     assert_identical_on_all_ranks([r["again"] for r in per_rank], "after the timeout")
     assert_matches_reference([r["again"] for r in per_rank], W.union_batches(S.ONE_VS_NINE, 2),
-                             assert_close_default, "after the timeout")
+                             assert_close_exact, "after the timeout")
 
 
 def test_accelerate_counts_the_padding_of_even_batches(runs):
@@ -105,7 +105,7 @@ def test_accelerate_counts_the_padding_of_even_batches(runs):
     seen = [batch for result in per_rank for batch in result["seen"]]
     assert sum(len(b) for b in seen) > S.ACCELERATE_SAMPLES  # padded
     assert_identical_on_all_ranks(per_rank, "accelerate")
-    assert_matches_reference(per_rank, seen, assert_close_default, "accelerate")
+    assert_matches_reference(per_rank, seen, assert_close_exact, "accelerate")
 
 
 def test_accelerate_without_even_batches_measures_one_processs_batches(runs):
@@ -120,7 +120,7 @@ def test_accelerate_without_even_batches_measures_one_processs_batches(runs):
     assert sorted(b.flatten().tolist() for b in seen) == sorted(b.flatten().tolist() for b in one)
     assert [len(r["seen"]) for r in per_rank] == [3, 2]
     assert_identical_on_all_ranks(per_rank, "accelerate_uneven")
-    assert_matches_reference(per_rank, one, assert_close_default, "accelerate_uneven")
+    assert_matches_reference(per_rank, one, assert_close_exact, "accelerate_uneven")
 
 
 def test_lightning_ddp_callback_merges_the_ranks(runs):
@@ -131,5 +131,5 @@ def test_lightning_ddp_callback_merges_the_ranks(runs):
     ref = float64_reference(W.make_model(), batches)
     for result in per_rank:
         for name, (ref_mean, ref_var, _) in ref.items():
-            assert_close_default(*result["buffers"][name], ref_mean, ref_var, "lightning ddp " + name)
+            assert_close_exact(*result["buffers"][name], ref_mean, ref_var, "lightning ddp " + name)
     assert all(torch.equal(per_rank[0]["buffers"][n][i], per_rank[1]["buffers"][n][i]) for n in ref for i in (0, 1))

@@ -15,7 +15,7 @@ import dist_workers as W
 from precise_bn import ConfigError, recompute
 from precise_bn import distributed, driver
 from precise_bn.options import Options
-from reference import assert_close_default
+from reference import assert_close_exact
 from test_distributed import assert_matches_reference
 
 
@@ -88,7 +88,7 @@ def test_a_rank_late_for_its_first_call_is_not_waited_for_and_the_next_call_work
         if rank != 2:
             _gave_up(result["third"], "rank {} third call".format(rank))
     again = [r["again"] for r in per_rank]
-    assert_matches_reference(again, W.union_batches(W.UNEVEN, 3), assert_close_default, "the next call")
+    assert_matches_reference(again, W.union_batches(W.UNEVEN, 3), assert_close_exact, "the next call")
 
 
 def test_ranks_that_never_call_are_given_up_on_within_the_timeout(tmp_path):

@@ -7,7 +7,7 @@ import timm
 import torch
 
 from precise_bn import recompute
-from reference import assert_close_default, float64_reference
+from reference import assert_close_exact, float64_reference
 
 pytestmark = pytest.mark.main_env
 
@@ -27,6 +27,6 @@ def test_timm_model_matches_the_float64_reference(name):
         assert kinds == {"BatchNormAct2d"}
     for layer_name, (ref_mean, ref_var, count) in reference.items():
         module = modules[layer_name]
-        assert_close_default(module.running_mean, module.running_var, ref_mean, ref_var, layer_name)
+        assert_close_exact(module.running_mean, module.running_var, ref_mean, ref_var, layer_name)
         assert report[layer_name].elements == count
     assert all(type(m).__name__ in kinds | {"BatchNorm2d"} for m in model.modules() if hasattr(m, "running_mean"))

@@ -199,6 +199,9 @@ class _Caffe2Pass:
     def running(self) -> Any:
         return contextlib.nullcontext()
 
+    def plan(self, batches: Optional[int]) -> None:
+        """Nothing to prepare: the Caffe2 backend compiles nothing."""
+
     def step(self, feeds: Optional[Feeds]) -> int:
         """Feed, run and read every device's batch stats of every layer; return the samples."""
         if feeds is not None:

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from ..estimator import PopulationStats, shifted_moments
-from ..report import UNTRUSTED_RTOL
+
+#: Relative error of a written variance above which a channel is named untrusted.
+UNTRUSTED_RTOL = 1e-3
 
 # float32 carries 24 significant bits: a saved inverse std is only known to 2**-24 relative.
 _FLOAT32_REL = 2.0 ** -24

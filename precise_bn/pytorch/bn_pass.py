@@ -25,13 +25,13 @@ from ..data import count_samples, describe, move_to_device, recognised
 from ..errors import BatchError
 from ..estimator import PopulationStats
 from ..options import ForwardFn
-from ..report import UNTRUSTED_RTOL
+from ..buffers import round_to
+from ..moments import KERNELS
 from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
-from .capture import CallCapture, Scratch, flush
+from .capture import CallCapture, flush
 from .layers import NamedLayer, no_layer_message
 from .sharding import FullParameters
-from .trust import variance_error_bound
 
 Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,7 +50,6 @@ class BNPass:
         layers: Sequence[NamedLayer],
         forward: ForwardFn,
         *,
-        exact: bool = False,
         device: Optional[torch.device] = None,
         autocast: Union[None, bool, torch.dtype] = None,
         explain_batches: bool = False,
@@ -61,15 +60,14 @@ class BNPass:
         self.device = device
         self.autocast = autocast
         self.explain_batches = explain_batches
-        self.estimator = "exact" if exact else "kernel"
+        self.estimator = "float64"
         self.names = [name for name, _ in self.layers]
         self.eps = [float(m.eps) for _, m in self.layers]
         self.dtypes = [m.running_var.dtype for _, m in self.layers]
-        scratch = Scratch()
-        self.captures = [
-            CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device), exact, scratch)
-            for n, m in self.layers
-        ]
+        self.captures = [CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device))
+                         for n, m in self.layers]
+        self.planned: Optional[int] = None
+        self._batches = 0
         self._attached: List[Tuple[CallCapture, nn.Module]] = []
         self.sharding = FullParameters(model)
         self._saved: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
@@ -78,21 +76,6 @@ class BNPass:
     @property
     def empty_reason(self) -> str:
         return no_layer_message(self.model)
-
-    untrusted_reason = ("by a worst-case bound on the BN kernel's float32 statistics (a mean far from 0 next to the "
-                        "std, or many elements summed in float32: CPU channels-last or (N, C) inputs, CUDA)")
-
-    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
-        """Channels whose variance may miss :data:`~precise_bn.report.UNTRUSTED_RTOL` by the
-        worst-case bound of :func:`~precise_bn.pytorch.trust.variance_error_bound`."""
-        named: List[List[int]] = []
-        for capture, layer_stats in zip(self.captures, stats):
-            if self.estimator == "exact" or layer_stats.count == 0:
-                named.append([])
-                continue
-            bound = variance_error_bound(layer_stats, capture.float32_elements)
-            named.append(torch.nonzero(bound > UNTRUSTED_RTOL).reshape(-1).tolist())
-        return named
 
     def attached(self) -> "BNPass":
         """``with bn_pass.attached():`` measures inside the block (the object is its own context)."""
@@ -154,7 +137,15 @@ class BNPass:
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", describe(batch))
                 ) from exc
             raise
+        self._batches += 1
+        if self._batches == 1 and self.planned is not None:
+            KERNELS.expect(sum(c.elements for c in self.captures) * self.planned)
         return count_samples(batch)
+
+    def plan(self, batches: Optional[int]) -> None:
+        """The pass expects about ``batches`` batches (None: unknown): with the first batch's
+        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.moments.Kernels.expect`)."""
+        self.planned = batches
 
     def collect(self) -> List[PopulationStats]:
         """Every layer's stats, with the calls still pending in the capture blocks merged."""
@@ -190,8 +181,9 @@ class BNPass:
             buf.copy_(saved)
 
     def finish(self, results: Sequence[Result]) -> None:
-        """Write ``results`` (``(mean, var)`` per layer, None to keep a layer's old stats) in
-        place with ``copy_``, so references held elsewhere see them.
+        """Write ``results`` (float64 ``(mean, var)`` per layer, None to keep a layer's old stats)
+        in place with ``copy_``, so references held elsewhere see them, each rounded to nearest
+        in the buffer's dtype (:func:`~precise_bn.buffers.round_to`).
 
         A :func:`~precise_bn.signals.write`: if the all-or-nothing call around it raises, a
         signal's handler included, the old statistics are put back before the exception leaves.
@@ -202,8 +194,8 @@ class BNPass:
                 self.restore()
                 for (_, module), result in zip(self.layers, results):
                     if result is not None:
-                        module.running_mean.copy_(result[0])
-                        module.running_var.copy_(result[1])
+                        module.running_mean.copy_(round_to(result[0], module.running_mean.dtype))
+                        module.running_var.copy_(round_to(result[1], module.running_var.dtype))
             self._finished = True
 
         def undo() -> None:

@@ -1,0 +1,60 @@
+"""What a BN buffer's dtype holds: float64 results rounded to nearest, overflow refused,
+underflow said.
+
+torch converts float64 to bfloat16 and float16 through float32, rounding twice, which can land
+one unit off the nearest value. :func:`round_to` rounds to float32 *to odd* first (truncate,
+then set the last bit if anything was cut): float32 keeps more than twice the bits of either
+half format plus two, so the second rounding is then the correct one (docs/numerics.md).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .errors import NonFiniteStatsError, warn
+
+Stats = Tuple[torch.Tensor, torch.Tensor]
+
+
+def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float64 ``values`` rounded to nearest (ties to even) in ``dtype``."""
+    if dtype in (torch.float64, torch.float32) or not values.is_floating_point():
+        return values.to(dtype)
+    values = values.double()
+    single = values.float()
+    bits = single.view(torch.int32)
+    # Truncate: where float32 rounded away from zero, step one unit back towards it.
+    bits = bits - (single.double().abs() > values.abs()).to(torch.int32)
+    bits = bits | (bits.view(torch.float32).double() != values).to(torch.int32)
+    return bits.view(torch.float32).to(dtype)
+
+
+def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes: Sequence[torch.dtype]) -> None:
+    """Before anything is written: :class:`~precise_bn.NonFiniteStatsError` for a layer whose
+    statistics overflow its buffers' dtype (``inf`` is never written), and one
+    :class:`~precise_bn.PreciseBNWarning` per layer whose nonzero statistics fall below the
+    dtype's smallest normal number, where they keep no relative precision (0 or a subnormal)."""
+    for name, result, dtype in zip(names, results, dtypes):
+        if result is None:
+            continue
+        info = torch.finfo(dtype)
+        largest = max(float(result[0].abs().max()), float(result[1].max()))
+        if largest > info.max:
+            raise NonFiniteStatsError(
+                "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
+                "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
+                    name, largest, _short(dtype), info.max))
+        for what, values in zip(("mean", "variance"), result):
+            tiny = (values != 0) & (values.abs() < info.tiny)
+            if bool(tiny.any()):
+                channels = tiny.nonzero().reshape(-1).tolist()
+                first = values[channels[0]:channels[0] + 1]
+                warn("BatchNorm layer {!r}: the {} of {} channel(s) (first: channel {}, {:.3g}) is below the "
+                     "smallest normal {} ({:.3g}) and is written as {:.3g}, keeping no relative precision".format(
+                         name, what, len(channels), channels[0], float(first[0]), _short(dtype), info.tiny,
+                         float(round_to(first, dtype)[0])))
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
