@@ -5,8 +5,11 @@ training left and with the precise stats, for ``precise-bn demo --seed S``, S = 
 
 Each seed is one whole ``run_demo`` (the command's code: training, checkpoint, ``recompute``
 on the file, evaluation of both files on the 450 held-out digits); the seed sets the network's
-initialisation and the order of its training batches, the held-out digits stay the same. Writes
-the "demo" section of ``DIR/RESULTS.md``.
+initialisation and the order of its training batches, the held-out digits stay the same, so
+seed S here prints what ``precise-bn demo --seed S`` prints, with fewer seeds too. Training
+amplifies the last bits of float32 arithmetic, which depend on the CPU kernels torch picks
+(``torch.backends.cpu.get_cpu_capability()``) and on torch's version: the section names both,
+and another machine prints other figures. Writes the "demo" section of ``DIR/RESULTS.md``.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import contextlib
 import io
 import statistics
 from typing import List, Optional, Sequence
+
+import torch
 
 import common
 from precise_bn.cli.demo import DEFAULT_STEPS, DemoResult, run_demo
@@ -36,6 +41,19 @@ def summary(results: List[DemoResult]) -> str:
     )
 
 
+def cpu_kernels() -> str:
+    """The vector instructions torch's CPU kernels use here (``AVX512``, ``AVX2``, ...)."""
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return capability() if capability else "unknown"
+
+
+def kernels_line(steps: int) -> str:
+    return ("CPU kernels: {} (`torch.backends.cpu.get_cpu_capability()`), torch {}. The figures are this machine's: "
+            "{} steps of float32 training carry the last bits of other kernels (another CPU, "
+            "`ATEN_CPU_CAPABILITY`, another torch) into other weights, so another machine prints other figures, "
+            "the same for `precise-bn demo --seed S` as here.".format(cpu_kernels(), torch.__version__, steps))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser)
@@ -49,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for seed in range(seeds):
         common.log.info("demo: seed %d of %d", seed, seeds)
         with contextlib.redirect_stdout(io.StringIO()):
-            results.append(run_demo(steps=steps, seed=seed, progress=False))
+            results.append(run_demo(steps=steps, seed=seed, quiet=True))
     rows = [(seed, "{:.2%}".format(r.ema_accuracy), "{:.4f}".format(r.ema_loss), "{:.2%}".format(r.precise_accuracy),
              "{:.4f}".format(r.precise_loss)) for seed, r in enumerate(results)]
     text = "\n\n".join([
@@ -59,6 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "`precise-bn demo --steps {} --seed S`: the CNN with 4 BatchNorm layers trained on the 1347 bundled "
         "training digits, its checkpoint recalibrated by the `recompute` command's code, both checkpoints "
         "evaluated on the 450 held-out digits.".format(steps),
+        kernels_line(steps),
         common.markdown_table(["seed", "EMA accuracy", "EMA loss", "precise accuracy", "precise loss"], rows),
         summary(results),
     ])

@@ -7,10 +7,13 @@ or, in a task config, ``{"name": "exact_precise_bn", "num_samples": 4096}`` (Cla
 hook keeps the name ``"precise_bn"``).
 
 Same constructor arguments and schedule as ClassyVision's: at the end of every training phase
-the task's base model is recomputed on ``num_samples`` samples per replica, either cached from
-the phase's own batches (``cache_samples=True``) or read from a fresh training dataloader, and
-the model is fed ``sample["input"]``. ClassyVision runs checkpoint hooks after the others, so
-the phase's checkpoint carries the new stats.
+the task's base model is recomputed on ``num_samples`` samples per replica (ClassyVision's
+meaning, where the other hooks count all ranks together), either cached from the phase's own
+batches (``cache_samples=True``) or read from the phase's training dataloader through a loader
+of its own (:mod:`precise_bn.reader`; ClassyVision's builds a new one), and the model is fed
+``sample["input"]``. Every random generator the pass draws from is put back, so the next phase
+trains as it would have without it. ClassyVision runs checkpoint hooks after the others, so the
+phase's checkpoint carries the new stats.
 
 What differs: ClassyVision's hook averages per-batch means and variances (fvcore), which is
 biased and ignores the spread of the batch means; this one writes the population statistics
@@ -27,11 +30,12 @@ from typing import Any, Dict, Iterable, Iterator, List
 import torch
 from torch import nn
 
-from .api import recalibrate_module
 from .data import count_samples, move_to_device
 from .errors import BackendUnavailableError, ConfigError
 from .options import Options, check_names
+from .reader import read_privately
 from .signals import all_or_nothing
+from .torch_aux import recalibrate_untouched
 
 try:
     from classy_vision.hooks import ClassyHook, register_hook
@@ -101,7 +105,7 @@ class PreciseBatchNormHook(ClassyHook):
     def on_start(self, task: Any) -> None:
         logger.info(
             "precise-bn: recomputing BN stats at the end of each training phase on %s samples per replica (%s)",
-            self.num_samples, "cached from the phase" if self.cache_samples else "read from a new dataloader",
+            self.num_samples, "cached from the phase" if self.cache_samples else "read from the phase's dataloader",
         )
 
     def on_phase_start(self, task: Any) -> None:
@@ -123,9 +127,9 @@ class PreciseBatchNormHook(ClassyHook):
             inputs: Iterable[Any] = self._cached
             self._cached = []
         else:
-            task.build_dataloaders_for_current_phase()
-            inputs = _inputs(task.dataloader)
+            inputs = _inputs(read_privately(task.dataloader))
         options = self.options
         if options.device is None and task.use_gpu:
             options = options.replace(device="cuda")
-        recalibrate_module(task.base_model, inputs, options)
+        report = recalibrate_untouched(task.base_model, inputs, options)
+        logger.info("%s; at the end of training phase %d", report.summary(), task.train_phase_idx)

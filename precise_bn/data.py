@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections.abc
-import copy
 from typing import Any, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
@@ -10,6 +9,7 @@ from torch import nn
 
 from .errors import EmptyDataError, warn
 from .options import ForwardFn
+from .reader import read_privately
 
 
 def smart_forward(model: nn.Module, batch: Any) -> Any:
@@ -127,17 +127,6 @@ def batches_for_samples(done: int, samples: int, num_samples: int, cap: Optional
     return cap if total is None else total if cap is None else min(total, cap)
 
 
-def separate(data: Iterable[Any]) -> Iterable[Any]:
-    """``data`` itself, or for a DataLoader with persistent workers a shallow copy with an
-    iterator and workers of its own. Such a loader keeps one iterator per object and resets it
-    on every ``iter()``: iterating the training loop's loader for a recomputation would cut the
-    loop's epoch short."""
-    if isinstance(data, torch.utils.data.DataLoader) and data.persistent_workers:
-        data = copy.copy(data)
-        data._iterator = None
-    return data
-
-
 _END = object()
 
 
@@ -145,14 +134,16 @@ class CyclingBatches:
     """An endless iterator over a finite iterable that starts a new pass when one runs out.
 
     Kept across calls by the helper and the hooks so that successive recalibrations see fresh
-    batches and never silently get fewer than asked. Raises ``StopIteration`` only when a whole
+    batches and never silently get fewer than asked. A DataLoader is read through a
+    :class:`~precise_bn.reader.PrivateReader`, so that reading it never changes what a training
+    loop reading the same loader gets. Raises ``StopIteration`` only when a whole
     new pass yields nothing (an empty data source). A single-pass source (an iterator, such as
     a generator) cannot start a new pass: it is accepted with a warning, and running out of it
     raises :class:`~precise_bn.errors.EmptyDataError` saying so.
     """
 
     def __init__(self, data: Iterable[Any]):
-        self.data = separate(data)
+        self.data = read_privately(data)
         self.passes = 0
         self.read = 0
         self._it: Optional[Iterator[Any]] = None

@@ -33,7 +33,7 @@ from .errors import EmptyDataError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
-from .report import BNReport, LayerReport
+from .report import BNReport, LayerReport, counted
 from .signals import all_or_nothing
 
 logger = logging.getLogger("precise_bn")
@@ -330,8 +330,8 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         if opts.prior:
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
-        logger.info("%s: %d batches (%d samples) read in %.2f s; stopped: %s", label, report.batches,
-                    report.samples, report.seconds, report.stop)
+        logger.info("%s: %s (%s) read in %.2f s; stopped: %s", label, counted(report.batches, "batch", "batches"),
+                    counted(report.samples, "sample"), report.seconds, report.stop)
         ranks.exchange(ACTIVE, round_="end")
         ranks.finish()
     return results, report

@@ -2,6 +2,7 @@
 warning type, and :func:`warn`, which names the user's line."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -90,14 +91,22 @@ class PreciseBNWarning(UserWarning):
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: ``with recalibrated(...)`` enters the package through contextlib's ``__enter__``.
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
+
+
+def _passed_through(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_PACKAGE_DIR + os.sep) or path == _CONTEXTLIB
 
 
 def warn(message: str) -> None:
     """Issue a :class:`PreciseBNWarning` that points at the user's line: the first frame, going
-    outwards, whose code is not the package's (however deep in the package the warning arose)."""
+    outwards, whose code is neither the package's (however deep in it the warning arose) nor
+    contextlib's."""
     frame = sys._getframe(1)
     level = 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+    while frame is not None and _passed_through(frame.f_code.co_filename):
         frame = frame.f_back
         level += 1
     warnings.warn(message, PreciseBNWarning, stacklevel=level)

@@ -22,17 +22,19 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 from torch import nn
 
+from .distributed import get_world_size, resolve_sync
 from .errors import ConfigError
 from .options import Options, positive_int
 from .report import BNReport
-from .signals import all_or_nothing
+from .signals import all_or_nothing, write
 from .step_cache import StepCache
 from .torch_aux import TorchAuxModel, TorchCache
 
-logger = logging.getLogger("precise_bn")
+LOGGER = logging.getLogger("precise_bn")
 
 
-OWN_ARGUMENTS = ("model", "data", "num_batches", "eval_period", "checkpoint_period", "extra_models", "forward_context")
+OWN_ARGUMENTS = ("model", "data", "num_batches", "eval_period", "checkpoint_period", "extra_models", "forward_context",
+                 "logger")
 
 
 class PreciseBNHook:
@@ -44,16 +46,21 @@ class PreciseBNHook:
             keeps one iterator across calls, so successive recomputations see fresh batches,
             and starts a new pass when one runs out, so a call never gets fewer batches than
             asked. (A kept DataLoader iterator keeps its worker processes between calls.) It
-            may be the training loop's own DataLoader: with persistent workers the hook reads
-            a copy with its own iterator, so the loop's epoch is never cut short. A
+            may be the training loop's own DataLoader: the hook reads it through a loader of
+            its own (:mod:`precise_bn.reader`), so what the loop reads never changes. A
             single-pass source (a generator) gets a warning: it cannot start a new pass.
-        num_batches: batches per recomputation (None: limited by ``num_samples`` or ``rtol``).
+        num_batches: batches per recomputation, on each rank (None: limited by ``num_samples``
+            or ``rtol``). ``num_samples`` (an option) counts the samples of all ranks together,
+            as mmpretrain's does: each of N merging ranks reads ``ceil(num_samples / N)``.
         eval_period / checkpoint_period: :meth:`before_eval` / :meth:`before_checkpoint` act
             only when ``step % period == 0``, so a loop may call them every step.
         extra_models: more models recomputed on the same batches, e.g. an EMA or SWA copy of
             the weights (see :class:`~precise_bn.torch_aux.TorchAuxModel`).
         forward_context: a context entered around every forward of the pass, e.g. a
             framework's mixed-precision context.
+        logger: where the hook says what it did (a line per call that acts: the report's
+            summary, or that cached stats were written back; a warning when it turns itself
+            off); None: nowhere.
         **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
             ``forward_fn``, ``layers``, ``device``, ``exact``...), checked now: a misspelt one
             raises ``TypeError`` here, not at the first recomputation, and named ``layers``
@@ -74,6 +81,7 @@ class PreciseBNHook:
         checkpoint_period: int = 1,
         extra_models: Sequence[nn.Module] = (),
         forward_context: Optional[Callable[[], ContextManager[Any]]] = None,
+        logger: Optional[logging.Logger] = LOGGER,
         **options: Any,
     ):
         opts = Options.build("PreciseBNHook", num_batches=num_batches, also_known=OWN_ARGUMENTS, **options)
@@ -88,6 +96,8 @@ class PreciseBNHook:
         self.job = TorchAuxModel(model, data, opts, extra_models, forward_context)
         self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
+        self.logger = logger
+        self.lent: Optional[int] = None  # the extra model whose stats model's layers hold, see lend()
 
     @property
     def last_report(self) -> Optional[BNReport]:
@@ -118,7 +128,7 @@ class PreciseBNHook:
         Returns the report of the recomputation these stats come from, or None when the hook
         did nothing (``step`` not a multiple of ``eval_period``, or the hook is off).
         """
-        return self._at(step, self.eval_period, loaded_from)
+        return self._at(step, self.eval_period, loaded_from, "evaluation")
 
     @all_or_nothing
     def before_checkpoint(self, step: int, loaded_from: Any = None) -> Optional[BNReport]:
@@ -127,14 +137,51 @@ class PreciseBNHook:
         Same as :meth:`before_eval`, with ``checkpoint_period``; after an evaluation at the
         same step, with the same weights, it only writes the cached stats back.
         """
-        return self._at(step, self.checkpoint_period, loaded_from)
+        return self._at(step, self.checkpoint_period, loaded_from, "checkpoint")
 
-    def write_into(self, state: Dict[str, Any], prefix: str = "") -> List[str]:
-        """Write the cached stats into ``state``, a state dict built before the hook ran (a
-        checkpoint's, which may hold copies of the buffers), each value converted to its entry's
-        dtype and device; returns the keys ``state`` lacks."""
+    def cached_for(self, step: int, loaded_from: Any = None) -> bool:
+        """Whether a call at ``step`` now would write cached stats back, without a pass."""
+        return self.cache.value is not None and self.cache.key == (step, loaded_from, self.job.state())
+
+    @all_or_nothing
+    def forget(self) -> None:
+        """Recompute at the next call whatever its key: for a framework that changed the
+        weights where their version counters do not show it (writes through ``.data``)."""
+        self.cache.forget()
+
+    @all_or_nothing
+    def lend(self, member: int) -> None:
+        """Give ``model``'s layers the cached stats of ``extra_models[member - 1]``, until
+        :meth:`take_back`: for a framework that swaps only an EMA copy's weights into ``model``
+        for an evaluation (mmengine's ``EMAHook``), which then runs them with their own stats."""
+        own = self.stats_of(0)
+        self.job.apply({"model." + name: stats for name, stats in self.stats_of(member).items() if name in own})
+        kept = self.lent
+        write(lambda: setattr(self, "lent", member), lambda: setattr(self, "lent", kept))
+
+    @all_or_nothing
+    def take_back(self) -> None:
+        """Give every model its own cached stats again, after :meth:`lend` (else nothing)."""
+        if self.lent:
+            self.job.apply(self.cached_stats or {})
+            kept = self.lent
+            write(lambda: setattr(self, "lent", None), lambda: setattr(self, "lent", kept))
+
+    def stats_of(self, member: int = 0) -> TorchCache:
+        """The cached stats of ``model`` (``member=0``) or of ``extra_models[member - 1]``, by
+        the layer names within that model."""
+        cache = self.cached_stats or {}
+        if len(self.job.members) == 1:
+            return dict(cache)
+        prefix = "model." if member == 0 else "extra_{}.".format(member - 1)
+        return {name[len(prefix):]: stats for name, stats in cache.items() if name.startswith(prefix)}
+
+    def write_into(self, state: Dict[str, Any], prefix: str = "", member: int = 0) -> List[str]:
+        """Write the cached stats of ``member`` (see :meth:`stats_of`) into ``state``, a state
+        dict built before the hook ran (a checkpoint's, which may hold copies of the buffers),
+        each value converted to its entry's dtype and device; returns the keys ``state`` lacks."""
         missing = []
-        for name, (mean, var) in (self.cached_stats or {}).items():
+        for name, (mean, var) in self.stats_of(member).items():
             for suffix, value in ((".running_mean", mean), (".running_var", var)):
                 key = prefix + name + suffix
                 if key in state:
@@ -143,12 +190,28 @@ class PreciseBNHook:
                     missing.append(key)
         return missing
 
-    def _at(self, step: int, period: int, loaded_from: Any) -> Optional[BNReport]:
+    def _at(self, step: int, period: int, loaded_from: Any, what: str) -> Optional[BNReport]:
         if not self.enabled or step % period != 0:
             return None
         if self.cache.value is None and not self.job.layer_names():
-            logger.warning("precise-bn: %s has no BatchNorm layer to recompute; the hook is off",
-                           type(self.model).__name__)
+            if self.logger is not None:
+                self.logger.warning("precise-bn: %s has no BatchNorm layer to recompute; the hook is off",
+                                    type(self.model).__name__)
             self.enabled = False
             return None
-        return self.cache.at((step, loaded_from, self.job.state()), self.job.run, self.job.apply)
+        done = self.cache.recomputations
+        report = self.cache.at((step, loaded_from, self.job.state()), lambda store: self.job.run(store, self._share()),
+                               self.job.apply)
+        if self.logger is not None and self.cache.recomputations > done:
+            self.logger.info("%s; for the %s at step %s", report.summary(), what, step)
+        elif self.logger is not None:
+            self.logger.info("precise-bn: the %s at step %s gets the statistics recomputed for that step and those "
+                             "weights", what, step)
+        return report
+
+    def _share(self) -> Options:
+        """The options of a recomputation now: ``num_samples`` split between the ranks that merge."""
+        opts = self.job.opts
+        if opts.num_samples is None or not resolve_sync(opts.sync, opts.group):
+            return opts
+        return opts.replace(num_samples=-(-opts.num_samples // get_world_size(opts.group)))

@@ -9,8 +9,13 @@ The callback recomputes at the start of each validation and before each checkpoi
 the very stats that validation used, without another forward, while ``validate(ckpt_path=...)``
 or ``validate(other_module)`` after ``fit`` recomputes for the weights actually validated.
 Training is left bit for bit as it would have been without the callback: every random
-generator a recomputation draws from is put back, and the training DataLoader's own iterator is
-never read (one with persistent workers is read through a copy with its own workers).
+generator a recomputation draws from is put back, and the training DataLoader is read through a
+loader of its own (:mod:`precise_bn.reader`). With Lightning's ``WeightAveraging`` callbacks
+(``EMAWeightAveraging``), the averaged weights are recomputed with the module on the same
+batches: validation, which runs them with their buffers, and the file's ``state_dict``
+(averaged) and ``current_model_state`` (trained) each get their own statistics.
+``StochasticWeightAveraging`` copies its average into the module itself, which is what gets
+recomputed. Lines go to Lightning's logger, on rank 0.
 
 Why the checkpoint dict is rewritten too: Lightning (checked on 2.6) builds
 ``checkpoint["state_dict"]`` *before* it calls the callbacks' ``on_save_checkpoint``. Plain
@@ -31,17 +36,18 @@ older ``pytorch_lightning``).
 from __future__ import annotations
 
 import difflib
+import logging
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from .data import separate
 from .errors import BackendUnavailableError, ConfigError, PreciseBNWarning
 from .hooks import PreciseBNHook
 from .options import Options
 from .pytorch.layers import by_spec, select_layers
+from .reader import PrivateReader
 from .signals import all_or_nothing
 
 try:
@@ -54,6 +60,9 @@ except ImportError:
             "precise_bn.lightning needs Lightning: pip install '.[lightning]' (from a checkout) "
             "(or pip install lightning)"
         ) from error
+
+#: The callback's lines, under Lightning's own logger (shown on rank 0 as Lightning's are).
+LOGGER = logging.getLogger(pl.__name__ + ".callbacks.precise_bn")
 
 
 def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoader]:
@@ -70,28 +79,6 @@ def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoa
                       "need one)".format(what))
 
 
-class _TrainingData:
-    """The trainer's current training DataLoader, looked up at each new pass over the data
-    (Lightning may rebuild it between epochs), read through :func:`precise_bn.data.separate`.
-    After ``fit`` (a ``validate`` that follows it) the last one ``fit`` had is read."""
-
-    def __init__(self, trainer: "pl.Trainer"):
-        self.trainer = trainer
-        self._current: Any = (None, None)  # (the trainer's loader, what is read for it)
-
-    @property
-    def loader(self) -> Optional[torch.utils.data.DataLoader]:
-        """What is read (:func:`precise_bn.rng.loader_generators` looks for its generators)."""
-        loader = _training_loader(self.trainer)
-        return self._current[0] if loader is None else loader
-
-    def __iter__(self) -> Iterator[Any]:
-        loader = self.loader
-        if self._current[0] is not loader:
-            self._current = loader, separate(loader)
-        return iter(self._current[1])
-
-
 OWN_ARGUMENTS = ("num_batches", "data", "attribute")
 
 
@@ -99,10 +86,11 @@ class PreciseBNCallback(pl.Callback):
     """Recompute precise BN stats at the start of validation and before each checkpoint.
 
     Args:
-        num_batches: batches per recomputation (None: limited by ``num_samples`` or ``rtol``).
+        num_batches: batches per recomputation, on each rank (None: limited by ``num_samples``,
+            which counts all ranks together, or ``rtol``).
         data: batches to recompute on; default: the trainer's training DataLoader (under DDP
             each rank reads its own shard and the stats are merged across ranks), read through
-            an iterator of its own. A training dataloader that is not a torch DataLoader is
+            a loader of its own (:mod:`precise_bn.reader`). A training dataloader that is not a torch DataLoader is
             refused (reading it might take batches from training): pass ``data`` then. A kept
             iterator continues across recomputations and starts a new pass when one ends.
         attribute: the submodule of the LightningModule to recompute, e.g. ``"model"`` or
@@ -137,7 +125,7 @@ class PreciseBNCallback(pl.Callback):
         self.data = data
         self.attribute = attribute
         self.hook: Optional[PreciseBNHook] = None
-        self._training: Optional[_TrainingData] = None
+        self._training: Optional[PrivateReader] = None
         self._train_layers: Optional[List[str]] = None
         self._warned_no_data = False
 
@@ -185,6 +173,11 @@ class PreciseBNCallback(pl.Callback):
             ]
 
     @all_or_nothing
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.hook is not None and self._averaged(trainer):
+            self.hook.forget()  # WeightAveraging copies the average into the module, through .data
+
+    @all_or_nothing
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.sanity_checking:
             return
@@ -199,7 +192,14 @@ class PreciseBNCallback(pl.Callback):
         hook = self._get_hook(trainer, pl_module)
         if hook is None or hook.before_checkpoint(trainer.global_step, trainer.ckpt_path) is None:
             return
-        missing = hook.write_into(checkpoint.get("state_dict", {}), self.attribute + "." if self.attribute else "")
+        prefix = self.attribute + "." if self.attribute else ""
+        if len(hook.job.members) > 1 and "current_model_state" in checkpoint:
+            # WeightAveraging came first: the averaged weights are in state_dict, the trained ones moved.
+            missing = hook.write_into(checkpoint["state_dict"], prefix, member=1) + hook.write_into(
+                checkpoint["current_model_state"], prefix)
+        else:
+            # WeightAveraging, if any, saves its model's own buffers, where the pass wrote its statistics.
+            missing = hook.write_into(checkpoint.get("state_dict", {}), prefix)
         if missing:
             warnings.warn(
                 "PreciseBNCallback: the checkpoint's state_dict has no entry {}: the file keeps "
@@ -208,15 +208,22 @@ class PreciseBNCallback(pl.Callback):
                 stacklevel=2,
             )
 
+    def _averaged(self, trainer: "pl.Trainer") -> List[nn.Module]:
+        """The target's copies in the averaged models of Lightning's ``WeightAveraging`` callbacks
+        (versions that have them)."""
+        kind = getattr(pl.callbacks, "WeightAveraging", ())
+        averaged = [getattr(c, "_average_model", None) for c in trainer.callbacks if isinstance(c, kind)]
+        return [self.target(a.module) for a in averaged if a is not None]
+
     def _get_hook(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[PreciseBNHook]:
-        """The hook for the module being validated or saved now: a new one for a new module
-        (``validate(other_module)`` after ``fit``)."""
-        target = self.target(pl_module)
-        if self.hook is not None and self.hook.model is target:
+        """The hook for the module being validated or saved now, and its averaged copies: a new
+        one for a new module (``validate(other_module)`` after ``fit``)."""
+        target, averaged = self.target(pl_module), self._averaged(trainer)
+        if self.hook is not None and self.hook.model is target and self.hook.job.members[1:] == averaged:
             return self.hook
         data = self.data
         if data is None and self._training is None and _training_loader(trainer) is not None:
-            self._training = _TrainingData(trainer)
+            self._training = PrivateReader(lambda: _training_loader(trainer))
         if data is None:
             if self._training is None:
                 if not self._warned_no_data and trainer.is_global_zero:
@@ -236,5 +243,6 @@ class PreciseBNCallback(pl.Callback):
             changes["layers"] = self._train_layers
         options = self.options.replace(**changes)
         self.hook = PreciseBNHook(target, data, forward_context=trainer.precision_plugin.forward_context,
+                                  extra_models=averaged, logger=LOGGER if trainer.is_global_zero else None,
                                   **options.as_kwargs())
         return self.hook

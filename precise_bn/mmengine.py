@@ -3,35 +3,41 @@
     custom_hooks = [dict(type="ExactPreciseBNHook", num_samples=8192, interval=1)]
 
 Importing this module registers the hook in mmengine's ``HOOKS`` (add
-``custom_imports = dict(imports=["precise_bn.mmengine"])`` to a config). It takes
-mmpretrain's ``PreciseBNHook`` arguments, ``num_samples`` and ``interval`` (epochs, or
-iterations for an iteration-based loop), and every option of :func:`precise_bn.recompute`,
-checked when the hook is built. Where mmpretrain averages per-batch statistics with equal
-weights, this hook merges every BN call exactly (see :mod:`precise_bn.estimator`).
+``custom_imports = dict(imports=["precise_bn.mmengine"])`` to a config). It takes mmpretrain's
+``PreciseBNHook`` arguments, ``num_samples`` (all ranks together) and ``interval``, and every
+option of :func:`precise_bn.recompute`, checked when the hook is built. Where mmpretrain averages
+per-batch statistics with equal weights, this hook merges every BN call exactly.
 
-When: before each validation during training and before each checkpoint, like the Lightning
-callback, keyed by the iteration count: a checkpoint and a validation after the same iteration
-get the very same statistics, from one pass. The checkpoint's ``state_dict`` is rewritten too:
-mmengine builds it (copies of the buffers on a GPU) before it calls ``before_save_checkpoint``.
-A validation outside training (``runner.val()``) leaves the statistics alone.
+When: before each validation and each checkpoint during training that comes at a due point, the
+end of every ``interval``-th epoch (epoch loop) or iteration (iteration loop), counted from the
+iterations done, whatever triggers the validation or checkpoint. Validation and checkpoints
+after the same iteration share one pass: the file holds what validation used (mmengine builds
+the checkpoint's ``state_dict`` before ``before_save_checkpoint``, so the hook writes into it).
+mmengine calls ``before_save_checkpoint`` on rank 0 alone, so the pass for a ``CheckpointHook``
+runs just before it, on every rank, when that hook's own conditions say it saves now.
+With mmengine's ``EMAHook``, the EMA weights are recomputed with the model, on the same batches:
+validation runs them with their own statistics, and the file's ``state_dict`` (EMA weights) and
+``ema_state_dict`` (trained weights) each hold theirs. The runner's logger says what was done.
 
-Batches: by default the runner's training dataloader, a batch going through the model's data
-preprocessor and ``model(**data, mode="tensor")`` as in mmpretrain; ``data=`` and
-``forward_fn=`` replace either.
+Batches: by default the runner's training dataloader, read through a loader of its own
+(:mod:`precise_bn.reader`), each going through the model's data preprocessor and
+``model(..., mode="tensor")`` as in mmpretrain; ``data=`` and ``forward_fn=`` replace either.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from torch import nn
 
+from .distributed import get_world_size, resolve_sync
 from .errors import BackendUnavailableError, ConfigError, warn
 from .hooks import PreciseBNHook
 from .options import Options, positive_int
+from .reader import PrivateReader
 from .signals import all_or_nothing
 
 try:
-    from mmengine.hooks import Hook
+    from mmengine.hooks import CheckpointHook, EMAHook, Hook
     from mmengine.model import is_model_wrapper
     from mmengine.registry import HOOKS
     from mmengine.runner import BaseLoop, IterBasedTrainLoop
@@ -39,19 +45,24 @@ except ImportError as error:
     raise BackendUnavailableError("precise_bn.mmengine needs mmengine: pip install '.[mmengine]' (from a checkout)") from error
 
 
+def _saves_now(checkpoints: CheckpointHook, runner: Any, by_epoch: bool) -> bool:
+    """Whether ``checkpoints`` saves at this point: its own conditions, as its
+    ``after_train_epoch`` (``by_epoch``) or ``after_train_iter`` checks them."""
+    if checkpoints.by_epoch != by_epoch:
+        return False
+    start = getattr(checkpoints, "save_begin", 0)
+    if by_epoch:
+        return checkpoints.every_n_epochs(runner, checkpoints.interval, start) or bool(
+            checkpoints.save_last and checkpoints.is_last_train_epoch(runner))
+    return checkpoints.every_n_train_iters(runner, checkpoints.interval, start) or bool(
+        checkpoints.save_last and checkpoints.is_last_train_iter(runner))
+
+
 def mm_forward(model: nn.Module, batch: Any) -> Any:
-    """An OpenMMLab model's forward on a dataloader batch, as mmpretrain's hook runs it."""
-    return model(**model.data_preprocessor(batch, False), mode="tensor")
-
-
-class _TrainingData:
-    """The runner's training dataloader, looked up at each new pass over the data."""
-
-    def __init__(self, runner: Any):
-        self.runner = runner
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.runner.train_dataloader)
+    """An OpenMMLab model's forward on a dataloader batch, as its ``val_step`` runs it: through
+    the data preprocessor, whose output (a dict, or a tuple) becomes the arguments."""
+    data = model.data_preprocessor(batch, False)
+    return model(**data, mode="tensor") if isinstance(data, dict) else model(*data, mode="tensor")
 
 
 @HOOKS.register_module()
@@ -59,14 +70,17 @@ class ExactPreciseBNHook(Hook):
     """Recompute exact BN statistics before validation and before checkpoints (module docstring).
 
     Args:
-        num_samples: samples per recomputation (mmpretrain's default, 8192).
+        num_samples: samples per recomputation, all ranks together, as mmpretrain counts them
+            (its default, 8192): each of N ranks reads ``ceil(num_samples / N)``.
         interval: act every this many epochs (iterations with an iteration-based loop).
         data: batches to recompute on; default: the runner's training dataloader.
-        **options: every option of :func:`precise_bn.recompute` (``rtol``, ``exact``,
-            ``layers``, ``forward_fn``, ``prior``...), checked now.
+        **options: every option of :func:`precise_bn.recompute` (``rtol``, ``num_batches``
+            per rank, ``layers``, ``forward_fn``, ``prior``...), checked now.
     """
 
-    priority = "ABOVE_NORMAL"
+    # After EMAHook (NORMAL), which updates the EMA weights after each iteration and swaps them
+    # in and out around validation and checkpoints; before CheckpointHook (VERY_LOW).
+    priority = "LOW"
 
     def __init__(self, num_samples: Optional[int] = 8192, interval: int = 1, data: Optional[Iterable[Any]] = None,
                  **options: Any):
@@ -76,33 +90,86 @@ class ExactPreciseBNHook(Hook):
         if self.options.num_batches is None and self.options.num_samples is None and self.options.rtol is None:
             raise ConfigError("ExactPreciseBNHook: num_samples, num_batches and rtol are all None: "
                               "a recomputation would read the training data forever")
+        self.num_samples = self.options.num_samples
         self.interval = interval
         self.data = data
         self.hook: Optional[PreciseBNHook] = None
+        self.ema: Optional[EMAHook] = None
 
     def before_run(self, runner: Any) -> None:
-        self.hook = None  # a new run may bring another model or dataloader
+        self.hook = None  # a new run may bring another model, dataloader or EMA copy
+
+    def before_train(self, runner: Any) -> None:
+        hooks = list(runner.hooks)
+        mine = hooks.index(self)
+        late = [h for h in hooks[mine:] if isinstance(h, EMAHook)]
+        early = [h for h in hooks[:mine] if isinstance(h, CheckpointHook)]
+        if late or early:
+            raise ConfigError("ExactPreciseBNHook(priority={!r}) runs {} {} (priority {!r}): it must run after "
+                              "EMAHook and before CheckpointHook, as its default priority 'LOW' does".format(
+                                  self.priority, "before" if late else "after", type((late or early)[0]).__name__,
+                                  (late or early)[0].priority))
 
     @all_or_nothing
     def before_val(self, runner: Any) -> None:
         hook = self._get_hook(runner)
-        if hook is not None and self._due(runner, runner.epoch, runner.iter):
-            hook.before_eval(runner.iter)
+        if hook is None or not self._due(runner, runner.iter) or hook.before_eval(runner.iter) is None:
+            return
+        if self.ema is not None and not self.ema.ema_model.update_buffers:
+            hook.lend(1)  # EMAHook swaps only the weights in (at before_val_epoch): they run with their stats
+
+    @all_or_nothing
+    def after_val_epoch(self, runner: Any, metrics: Optional[Dict[str, float]] = None) -> None:
+        if self.hook is not None:
+            self.hook.take_back()  # after EMAHook swapped the weights back, before save_best's checkpoint
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        self._before_checkpoints(runner, by_epoch=False)
+
+    def after_train_epoch(self, runner: Any) -> None:
+        self._before_checkpoints(runner, by_epoch=True)
+
+    def _before_checkpoints(self, runner: Any, by_epoch: bool) -> None:
+        """The pass, on every rank, for what a CheckpointHook saves next (it runs after this
+        hook); ``before_checkpoint`` is the one call that writes."""
+        hook = self._get_hook(runner)
+        done = runner.iter if by_epoch else runner.iter + 1  # mmengine counts the iteration after these hooks
+        if hook is not None and self._due(runner, done) and any(
+                _saves_now(h, runner, by_epoch) for h in runner.hooks if isinstance(h, CheckpointHook)):
+            hook.before_checkpoint(done)
 
     @all_or_nothing
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
         hook = self._get_hook(runner)
-        meta = checkpoint.get("meta", {})
-        epoch, step = meta.get("epoch", runner.epoch), meta.get("iter", runner.iter)
-        if hook is None or not self._due(runner, epoch, step) or hook.before_checkpoint(step) is None:
+        step = checkpoint.get("meta", {}).get("iter", runner.iter)
+        if hook is None or not hook.enabled or not self._due(runner, step):
             return
-        missing = hook.write_into(checkpoint.get("state_dict", {}))
+        opts = hook.job.opts
+        if not hook.cached_for(step) and resolve_sync(opts.sync, opts.group) and get_world_size(opts.group) > 1:
+            warn("ExactPreciseBNHook: a checkpoint at iteration {} that no CheckpointHook announced is written by "
+                 "rank 0 alone, where no pass over the ranks can run: it keeps the statistics mmengine "
+                 "collected".format(step))
+            return
+        hook.before_checkpoint(step)
+        state = checkpoint.get("state_dict", {})
+        if self.ema is not None and "ema_state_dict" in checkpoint:
+            # EMAHook, just before, put the EMA weights in state_dict and the trained ones in ema_state_dict.
+            missing = hook.write_into(state, member=1) + hook.write_into(checkpoint["ema_state_dict"], "module.")
+        else:
+            missing = hook.write_into(state)
         if missing:
-            warn("ExactPreciseBNHook: the checkpoint's state_dict has no entry {}: the file keeps the "
-                 "stats mmengine collected for them".format(", ".join(missing)))
+            warn("ExactPreciseBNHook: the checkpoint has no entry {}: the file keeps the stats mmengine "
+                 "collected for them".format(", ".join(missing)))
 
-    def _due(self, runner: Any, epoch: int, step: int) -> bool:
-        done = step if isinstance(runner.train_loop, IterBasedTrainLoop) else epoch
+    def _due(self, runner: Any, done: int) -> bool:
+        """Whether the point after ``done`` training iterations ends a due epoch (epoch loop) or
+        is a due iteration (iteration loop)."""
+        loop = runner.train_loop
+        if not isinstance(loop, IterBasedTrainLoop):
+            per_epoch = len(loop.dataloader)
+            if done % per_epoch:
+                return False  # inside an epoch
+            done //= per_epoch
         return done % self.interval == 0
 
     def _get_hook(self, runner: Any) -> Optional[PreciseBNHook]:
@@ -110,9 +177,15 @@ class ExactPreciseBNHook(Hook):
             return None  # not training: validation or testing alone
         if self.hook is None:
             model = runner.model.module if is_model_wrapper(runner.model) else runner.model
+            emas: List[EMAHook] = [h for h in runner.hooks if isinstance(h, EMAHook)]
+            if len(emas) > 1:
+                raise ConfigError("ExactPreciseBNHook: the runner has {} EMAHooks; it recomputes for one EMA "
+                                  "copy of the weights".format(len(emas)))
+            self.ema = emas[0] if emas else None
             options = self.options
             if options.forward_fn is None:
                 options = options.replace(forward_fn=mm_forward)
-            data = self.data if self.data is not None else _TrainingData(runner)
-            self.hook = PreciseBNHook(model, data, **options.as_kwargs())
+            data = self.data if self.data is not None else PrivateReader(lambda: runner.train_dataloader)
+            extra = [self.ema.ema_model.module] if self.ema is not None else []
+            self.hook = PreciseBNHook(model, data, extra_models=extra, logger=runner.logger, **options.as_kwargs())
         return self.hook

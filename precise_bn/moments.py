@@ -28,8 +28,9 @@ logger = logging.getLogger("precise_bn")
 
 #: Elements a process measures with eager operators before the compiled loop is made.
 COMPILE_AFTER = 1 << 27
-#: Float64 values an eager chunk forms at a time, so that it is summed while still in cache.
-CHUNK = 1 << 15
+#: Float64 values an eager chunk forms at a time: on the CPU few enough to be summed while still
+#: in cache, on a GPU enough to keep it busy.
+CHUNK = {"cpu": 1 << 15, "other": 1 << 24}
 
 Key = Tuple[str, torch.dtype, torch.dtype, str, bool]
 Sums = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
@@ -104,7 +105,7 @@ def _eager(form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tenso
     else:
         rows, dims, centre = x.reshape(-1, x.shape[-1]), (0,), c
     per_row = max(1, rows[:1].numel())
-    step = max(1, CHUNK // per_row)
+    step = max(1, CHUNK["cpu" if x.device.type == "cpu" else "other"] // per_row)
     buffer = _scratch(min(rows.shape[0], step) * per_row, x.device)
     s1 = torch.zeros_like(c)
     s2 = torch.zeros_like(c)

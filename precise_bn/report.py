@@ -150,6 +150,11 @@ LARGE_DRIFT = 0.5
 LARGE_MARK = "*"
 
 
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """``1 batch``, ``43 batches``: ``plural`` (default ``noun + "s"``) unless ``count`` is 1."""
+    return "{} {}".format(count, noun if count == 1 else plural or noun + "s")
+
+
 def legend(titles: List[str]) -> str:
     """What the columns ``titles`` hold, one line each, indented under a table."""
     width = max(len(t) for t in titles)
@@ -229,10 +234,10 @@ class BNReport:
         and how many channels' standard errors cannot be trusted."""
         count = len(self.layers)
         heavy = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
-        return ("precise-bn: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}, {} estimator, "
+        return ("precise-bn: {}, {} ({}), world size {}, {} estimator, "
                 "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
-            count, "" if count == 1 else "s", self.batches, "" if self.batches == 1 else "es", self.samples,
-            self.world_size, self.estimator, self.seconds,
+            counted(count, "BatchNorm layer"), counted(self.batches, "batch", "batches"),
+            counted(self.samples, "sample"), self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
             _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")),
             "; standard errors not trusted (heavy tails) in {} channel{} of {} layer{}".format(

@@ -19,7 +19,7 @@ import torch
 def loader_generators(loader: Any) -> List[torch.Generator]:
     """The ``torch.Generator`` objects iterating ``loader`` draws from besides the global ones:
     a DataLoader's own (its worker seeds) and its sampler's or batch sampler's (shuffling). A
-    wrapper that reads a DataLoader it looks up at each pass shows it as ``loader``."""
+    wrapper holding a DataLoader as ``loader`` (timm's ``PrefetchLoader``) shows it."""
     loader = getattr(loader, "loader", loader)
     batch_sampler = getattr(loader, "batch_sampler", None)
     owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))

@@ -46,6 +46,12 @@ class StepCache(Generic[C]):
             return self.report
         return compute(lambda value, report: self._store(key, value, report))
 
+    @all_or_nothing
+    def forget(self) -> None:
+        """No key is the cached one any more: the next call recomputes."""
+        kept = self.key
+        write(lambda: setattr(self, "key", None), lambda: setattr(self, "key", kept))
+
     def _store(self, key: Any, value: C, report: BNReport) -> None:
         kept = self.key, self.value, self.report, self.recomputations
 

@@ -3,9 +3,10 @@
 The PyTorch counterpart of :class:`~precise_bn.caffe2.backend.Caffe2AuxModel`: one or more
 models recalibrated together on an endless source of batches, without changing the training
 run around them (every random generator is put back, see :mod:`precise_bn.rng`; a DataLoader
-with persistent workers is read through its own iterator, see :func:`precise_bn.data.separate`).
-Shared by :class:`~precise_bn.PreciseBNHook` (so by the Lightning callback) and
-:class:`~precise_bn.BatchNormHelper`'s torch backend.
+is read through a loader of its own, see :mod:`precise_bn.reader`). Shared by
+:class:`~precise_bn.PreciseBNHook` (so by the Lightning and mmengine hooks) and
+:class:`~precise_bn.BatchNormHelper`'s torch backend; :func:`recalibrate_untouched` is the
+same guarantee for one pass (the Classy hook).
 """
 from __future__ import annotations
 
@@ -24,6 +25,27 @@ from .signals import all_or_nothing, write
 
 TorchCache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 Store = Callable[[TorchCache, BNReport], None]
+
+
+def recalibrate_untouched(model: nn.Module, data: Iterable[Any], opts: Options,
+                          on_write: Optional[Callable[[BNReport], Any]] = None,
+                          explain_batches: Optional[bool] = None,
+                          generators: Sequence[torch.Generator] = ()) -> BNReport:
+    """:func:`~precise_bn.api.recalibrate_module`, with the global random generators and
+    ``generators`` put back right after the write (and if it raises), so that training goes on
+    drawing what it would have drawn without it; then ``on_write(report)``."""
+    kept = rng.SavedRNG(generators)
+
+    def written(report: BNReport) -> None:
+        kept.restore()
+        if on_write is not None:
+            on_write(report)
+
+    try:
+        return recalibrate_module(model, data, opts, on_write=written, explain_batches=explain_batches)
+    except BaseException:
+        kept.restore()
+        raise
 
 
 class TorchAuxModel:
@@ -54,10 +76,13 @@ class TorchAuxModel:
     def state(self) -> Tuple[Any, ...]:
         """What the stats are a function of besides the data: which modules, and which weights.
 
-        Every in-place change of a parameter (an optimizer step, an EMA update, loading a
-        checkpoint with ``load_state_dict``) bumps its version counter; a new module or new
-        parameter objects change the identities. The running buffers are left out on purpose:
-        writing cached stats back after something touched them is the cache's job.
+        Every in-place change of a parameter (an optimizer step, a ``swa_utils`` EMA update,
+        loading a checkpoint with ``load_state_dict``) bumps its version counter, but not a
+        write through ``.data`` (how mmengine's and Lightning's averaging callbacks swap and
+        copy weights: the integrations drop the cache where that changes what is evaluated);
+        a new module or new parameter objects change the identities. The running buffers are
+        left out on purpose: writing cached stats back after something touched them is the
+        cache's job.
         """
         return tuple(id(m) for m in self.members), tuple(
             (id(p), p._version) for member in self.members for p in member.parameters())
@@ -89,13 +114,12 @@ class TorchAuxModel:
             return one
         return lambda _net, batch: [one(m, batch) for m in members]
 
-    def run(self, store: Store) -> BNReport:
-        """Recompute; right after the write, every random generator is put back and the written
-        stats are stored (cloned); an exception puts the generators back too."""
-        kept = rng.SavedRNG(rng.loader_generators(self.batches.data))
+    def run(self, store: Store, opts: Optional[Options] = None) -> BNReport:
+        """Recompute (with ``opts``, by default those given); right after the write, every random
+        generator is put back and the written stats are stored (cloned)."""
+        opts = opts or self.opts
 
         def on_write(report: BNReport) -> None:
-            kept.restore()
             modules = dict(self.net.named_modules())
             store({layer.name: (modules[layer.name].running_mean.detach().clone(),
                                 modules[layer.name].running_var.detach().clone())
@@ -103,12 +127,9 @@ class TorchAuxModel:
 
         if not self._prepared:
             self._prepare()
-        try:
-            return recalibrate_module(self.net, self.batches, self.opts.replace(forward_fn=self._forward()),
-                                      on_write=on_write, explain_batches=self.opts.forward_fn is None)
-        except BaseException:
-            kept.restore()
-            raise
+        return recalibrate_untouched(self.net, self.batches,
+                                     opts.replace(forward_fn=self._forward(), layers=self.opts.layers),
+                                     on_write, opts.forward_fn is None, rng.loader_generators(self.batches.data))
 
     @all_or_nothing
     def apply(self, cache: TorchCache) -> None:

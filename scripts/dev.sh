@@ -17,35 +17,56 @@ CAFFE2_EXTRAS="test"
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
-# pip warns about every package its extra local indexes lack; keep its real output only.
+# pip warns about every package its extra local indexes lack; keep its real output only. Torch's
+# wheels take minutes to download and unpack, so a line every 15 s says how far the build got.
 pip_install() {
-  "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  local venv=$1 status=0 ticker; shift
+  (
+    while sleep 15 && kill -0 $$ 2>/dev/null; do
+      log "pip still working: $((SECONDS - BUILD_STARTED)) s into the build, $(du -sh "$venv" 2>/dev/null | cut -f1) in $venv"
+    done
+  ) &
+  ticker=$!
+  "$@" 2>&1 | { grep --line-buffered -v "is ignored: it is neither a file nor a directory" || true; } || status=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  return "$status"
 }
 
-python_for() {  # $1 = the versions to try, newest first ("3.13 3.12 3.11" | 3.9): the first found runs
+# find_python VERSIONS: the first Python of VERSIONS (newest first: "3.13 3.12 3.11", or 3.9)
+# found, through pyenv when it has that version, else as pythonX.Y on the PATH; sets PYTHON.
+find_python() {
   local v
   for v in $1; do
     if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -q "^$v"; then
-      PYENV_VERSION=$v pyenv exec python"$v" "${@:2}"; return
+      PYTHON=$(PYENV_VERSION=$v pyenv which "python$v"); return
     elif command -v "python$v" >/dev/null 2>&1 && PYENV_VERSION=$v "python$v" -c '' 2>/dev/null; then
-      PYENV_VERSION=$v "python$v" "${@:2}"; return
+      PYTHON=$(PYENV_VERSION=$v "python$v" -c 'import sys; print(sys.executable)'); return
     fi
   done
-  log "Python $1 not found: install one (pyenv install ${1%% *}) and rerun"; exit 1
+  log "none of Python $1 found: install one (pyenv install ${1%% *}) and rerun"; exit 1
 }
 
-# build_env VENV PYVER EXTRAS PINS...: (re)install when pyproject.toml or this script changed.
+# build_env VENV PYVERS EXTRAS PINS...: (re)install when pyproject.toml or this script changed.
 build_env() {
-  local venv=$1 pyver=$2 extras=$3; shift 3
+  local venv=$1 pyvers=$2 extras=$3; shift 3
   local stamp
+  BUILD_STARTED=$SECONDS
   stamp=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
   if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then return; fi
-  log "building $venv (Python $pyver)"
-  [ -x "$venv/bin/python" ] || python_for "$pyver" -m venv "$venv"
-  pip_install "$venv/bin/python" -m pip install -q --upgrade "pip<25" wheel
-  pip_install "$venv/bin/python" -m pip install -q "$@"
-  pip_install "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
+  if [ -x "$venv/bin/python" ]; then
+    PYTHON="$venv/bin/python"
+  else
+    find_python "$pyvers"
+  fi
+  log "building $venv with Python $("$PYTHON" -c 'import sys; print(sys.version.split()[0])') ($PYTHON)"
+  log "first build: a few minutes, several GB of wheels (README.md, 'Install and environments')"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  pip_install "$venv" "$venv/bin/python" -m pip install -q --upgrade "pip<25" wheel
+  pip_install "$venv" "$venv/bin/python" -m pip install --progress-bar off "$@"
+  pip_install "$venv" "$venv/bin/python" -m pip install -q -e ".[$extras]" "$@"
   echo "$stamp" >"$venv/.stamp"
+  log "built $venv in $((SECONDS - BUILD_STARTED)) s ($(du -sh "$venv" | cut -f1))"
 }
 
 setup_main() { build_env "$MAIN_VENV" "3.13 3.12 3.11" "$MAIN_EXTRAS" "${MAIN_PINS[@]}"; }

@@ -194,6 +194,22 @@ def _hook_reapply_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     return Case("hook-reapply", model, lambda: hook.before_eval(1), reset, lambda: _cache_state(hook))
 
 
+def _hook_lend_case(blocks: int, batches: List[torch.Tensor]) -> Case:
+    """A hook lending an extra model's cached stats to the model (mmengine's EMAHook swaps only
+    the weights in for validation): written back, no forward."""
+    model = make_model(blocks)
+    hook = PreciseBNHook(model, batches, num_batches=len(batches), extra_models=[make_model(blocks, seed=1)],
+                         progress=False)
+    hook.before_checkpoint(1)
+    restore = _restorer(model)  # the model's own recomputed stats
+
+    def reset() -> None:
+        restore()
+        hook.lent = None
+
+    return Case("hook-lend", model, lambda: hook.lend(1), reset, lambda: (hook.lent, _cache_state(hook)))
+
+
 def _recalibrated_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     """A ``with recalibrated(...)`` block, entered and left: the model ends as it started."""
 
@@ -217,13 +233,15 @@ def _undo_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     return Case("undo", model, lambda: reports[0].undo(), recomputed)
 
 
-CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply", "recalibrated", "undo")
+CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply", "hook-lend", "recalibrated",
+              "undo")
 
 
 def make_case(name: str, blocks: int, num_batches: int) -> Case:
     """One of :data:`CASE_NAMES`, with its expected state: ``recompute`` (default and
-    ``exact``), ``update_bn_stats``, a hook's recomputation at a new step and its re-apply of
-    the cached stats at the same step, a ``recalibrated`` block, ``undo`` after a recompute."""
+    ``exact``), ``update_bn_stats``, a hook's recomputation at a new step, its re-apply of
+    the cached stats at the same step and its lending of an extra model's, a ``recalibrated``
+    block, ``undo`` after a recompute."""
     batches = make_batches(num_batches)
     if name == "recompute":
         case = _function_case(name, blocks, lambda m: recompute(m, batches, num_batches=num_batches, progress=False))
@@ -233,6 +251,8 @@ def make_case(name: str, blocks: int, num_batches: int) -> Case:
         case = _function_case(name, blocks, lambda m: update_bn_stats(m, batches, num_iters=num_batches))
     elif name == "hook-recompute":
         case = _hook_recompute_case(blocks, batches)
+    elif name == "hook-lend":
+        case = _hook_lend_case(blocks, batches)
     elif name == "recalibrated":
         case = _recalibrated_case(blocks, batches)
     elif name == "undo":

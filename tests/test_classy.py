@@ -102,6 +102,38 @@ def test_stats_after_each_training_phase_match_recompute(cache_samples):
     assert not torch.equal(bn_stats(snapshots.models[0])["model.1"][0], bn_stats(snapshots.models[1])["model.1"][0])
 
 
+def train_with(hooks: list) -> dict:
+    """Two shuffled training phases of a net with dropout, with ``hooks``; the weights it ends with."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(),
+                        nn.Linear(64, 3), nn.BatchNorm1d(3))
+    train = ClassyDataset(Samples(40, seed=1), batchsize_per_replica=8, shuffle=True, transform=None, num_samples=None)
+    train.set_num_workers(0)
+    optimizer = build_optimizer(
+        {"name": "sgd", "num_epochs": 2, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False,
+         "param_schedulers": {"lr": {"name": "constant", "value": 0.2}}}
+    )
+    task = (
+        ClassificationTask().set_model(ClassyModel.from_model(net)).set_loss(build_loss({"name": "CrossEntropyLoss"}))
+        .set_optimizer(optimizer).set_dataset(train, "train").set_dataset(classy_dataset(Samples(16, seed=2)), "test")
+        .set_num_epochs(2).set_use_gpu(False).set_meters([]).set_hooks(hooks)
+    )
+    LocalTrainer().train(task)
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+def test_the_next_phase_trains_as_without_the_hook():
+    """The pass at a phase's end draws dropout masks (and would draw augmentations) from the
+    global generators: they are put back. ClassyVision's own hook leaves them drawn from."""
+    from classy_vision.hooks.precise_batch_norm_hook import PreciseBatchNormHook as ClassyOwnHook
+
+    without = train_with([])
+    ours = train_with([PreciseBatchNormHook(num_samples=16)])
+    theirs = train_with([ClassyOwnHook(num_samples=16)])
+    assert all(torch.equal(ours[name], without[name]) for name in without)
+    assert not all(torch.equal(theirs[name], without[name]) for name in without)
+
+
 def test_rejects_a_bad_sample_count():
     with pytest.raises(ConfigError, match="num_samples"):
         PreciseBatchNormHook(num_samples=0)

@@ -153,6 +153,27 @@ def test_inspect_lists_layers_and_drift(tmp_path, capsys):
         assert row[2:] == ["{:.4g}".format(layer.mean_drift), "{:.4g}".format(layer.var_drift)]
 
 
+def test_a_lightning_files_layers_have_the_same_names_in_recompute_and_inspect(tmp_path, capsys):
+    """The LightningModule's ``model.`` prefix is no part of a layer's name, in the report printed,
+    the JSON report, and ``inspect`` with or without ``--against``."""
+    torch.manual_seed(0)
+    state = {"model." + k: v for k, v in small_net().state_dict().items()}
+    torch.save({"state_dict": state, "pytorch-lightning_version": "2.6.0", "global_step": 3}, str(tmp_path / "l.ckpt"))
+    result = run_cli(capsys, "recompute", tmp_path / "l.ckpt", "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:batches", "--report", tmp_path / "r.json", *TRUST)
+    assert result.returncode == 0, result.stderr
+    names = [layer["name"] for layer in json.loads((tmp_path / "r.json").read_text())["layers"]]
+    assert names == ["1", "4", "9"]
+    printed = [line.split()[0] for line in result.stdout.splitlines()[2:2 + len(names)]]
+    listed = run_cli(capsys, "inspect", tmp_path / "l.ckpt", *TRUST).stdout.splitlines()
+    drift = run_cli(capsys, "inspect", tmp_path / "l.ckpt", "--against", tmp_path / "l.precise_bn.ckpt", *TRUST)
+    drift = drift.stdout.splitlines()
+    for lines in (listed, drift):
+        table = lines[[i for i, line in enumerate(lines) if line.startswith("layer ")][0] + 1:]
+        assert [line.split()[0] for line in table[:len(names)]] == names == printed, lines
+        assert sum("every BatchNorm layer sits under 'model.'" in line for line in lines) == (2 if lines is drift else 1)
+
+
 def test_inspect_after_a_recompute_says_what_was_measured(tmp_path, capsys):
     from cli_factories import Caffe2StyleNet
 
@@ -293,6 +314,18 @@ def test_standalone_script_is_the_whole_command(tmp_path, monkeypatch, capsys):
     assert "3 BatchNorm layers" in capsys.readouterr().out
     written = load(tmp_path / "a.precise_bn.pt")
     _check_against_reference(written["model"], "", net, batches())
+
+
+def test_quiet_recompute_prints_nothing(tmp_path, capsys):
+    torch.manual_seed(0)
+    torch.save({"model": small_net().state_dict()}, str(tmp_path / "a.pt"))
+    result = run_cli(capsys, "recompute", tmp_path / "a.pt", "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:batches", "--num-batches", "5", "-q", *TRUST)
+    assert result.returncode == 0 and (tmp_path / "a.precise_bn.pt").exists()
+    assert result.stdout == "" and result.stderr == ""
+    result = run_cli(capsys, "recompute", tmp_path / "a.pt", "--model", "cli_factories:small_net", "--data",
+                     "cli_factories:batches", "--overwrite", *TRUST)
+    assert result.returncode == 0 and "mean drift" in result.stdout  # what -q leaves out
 
 
 def test_installed_console_script(tmp_path):

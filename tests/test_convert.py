@@ -5,6 +5,7 @@ numpy and torch only: runs in both environments.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -179,3 +180,22 @@ def test_torch_to_caffe2_failing_on_a_wrapper_prefix_names_strip_prefix(tmp_path
                  *TRUST]) == 0, capsys.readouterr().err
     blobs = read_caffe2_pickle(tmp_path / "out.pkl")[1]
     assert "conv1_w" in blobs and not any(name.startswith("module") for name in blobs)
+
+
+@pytest.mark.parametrize("direction", ["pt to pkl", "pkl to pt"])
+def test_convert_lists_each_name_left_out_once(tmp_path, capsys, direction):
+    torch.manual_seed(0)
+    state = {k: v for k, v in torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).state_dict().items()}
+    if direction == "pt to pkl":
+        src, out = tmp_path / "m.pt", tmp_path / "m.pkl"
+        torch.save(state, str(src))
+        left_out = ["1.num_batches_tracked"]
+    else:
+        src, out = tmp_path / "m.pkl", tmp_path / "m.pt"
+        save_caffe2_pickle(dict(nl_video_blobs(), lr=np.array([0.1], np.float32)), src)
+        left_out = list(NOT_STATE)
+    assert main(["convert", str(src), str(out), "--keep-unmapped", *TRUST]) == 0
+    captured = capsys.readouterr()
+    both = captured.out + captured.err
+    assert "not model state" in captured.out
+    assert all(len(re.findall(r"(?<![\w.]){}(?![\w.])".format(re.escape(name)), both)) == 1 for name in left_out), both

@@ -2,9 +2,13 @@
 benchmarks reuse, and the example training script."""
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,22 +90,60 @@ def test_bundled_digits_are_scikit_learns_and_ship_with_the_package():
     assert DATA_FILE.name in package_data["precise_bn"]
 
 
-def test_demo_prints_a_command_only_for_files_that_stay(tmp_path, capsys):
+def test_demo_prints_a_command_only_for_files_that_stay(capsys):
     result = run_cli(capsys, "demo", "--steps", "5", "-q")
     assert result.returncode == 0, result.stderr
     assert "precise-bn recompute" not in result.stdout and "--workdir DIR" in result.stdout
-    result = run_cli(capsys, "demo", "--steps", "5", "--workdir", tmp_path, "-q")
-    command = re.search(r"^recompute: (precise-bn recompute .*)$", result.stdout, re.M).group(1)
-    args = shlex.split(command)[1:] + ["--output", str(tmp_path / "again.pt"), "-q"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the demo runs: float32 batch statistics depend on the thread count
-    try:
-        assert run_cli(capsys, *args).returncode == 0  # the printed command runs, on the files it names
-    finally:
-        torch.set_num_threads(threads)
-    again, first = load(tmp_path / "again.pt")["model"], load(tmp_path / "digits_cnn.precise_bn.pt")["model"]
+
+
+def test_the_printed_command_pasted_into_a_shell_writes_the_same_bits(tmp_path, capsys):
+    workdir = tmp_path / "a folder"  # a space: the command quotes its paths
+    result = run_cli(capsys, "demo", "--steps", "5", "--workdir", workdir, "-q")
+    command = re.search(r"^recompute: (.*precise-bn recompute .*)$", result.stdout, re.M).group(1)
+    first = load(workdir / "digits_cnn.precise_bn.pt")["model"]
+    pasted = command.replace("precise-bn", "{} -m precise_bn".format(shlex.quote(sys.executable)), 1)
+    done = subprocess.run(pasted, shell=True, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr  # over the output the demo wrote: --overwrite is in it
+    again = load(workdir / "digits_cnn.precise_bn.pt")["model"]
     assert all(torch.equal(again[k], first[k]) for k in first)
+    args = shlex.split(command)
     assert int(args[args.index("--num-samples") + 1]) == len(load_digits()[0])
+
+
+def test_demo_quiet_prints_the_accuracies_and_no_report(capsys):
+    result = run_cli(capsys, "demo", "--steps", "5", "-q")
+    assert result.returncode == 0 and "held-out accuracy with the precise stats" in result.stdout
+    assert "mean drift" not in result.stdout + result.stderr and "BatchNorm layers," not in result.stdout
+
+
+def _demo_section(path, start):
+    text = path.read_text(encoding="utf-8")
+    return text[text.index(start):]
+
+
+def test_the_demo_figures_in_the_docs_are_the_seeds_tables_and_this_machine_prints_them():
+    """docs/cli.md quotes seed 0's row of the table benchmarks/demo_seeds.py wrote, its summary,
+    and the CPU kernels and torch it ran with; where this machine has those, seed 0 prints them."""
+    doc = _demo_section(REPO / "docs" / "cli.md", "## `precise-bn demo`")
+    results = _demo_section(REPO / "benchmarks" / "RESULTS.md", "<!-- BEGIN demo -->")
+    results = results[:results.index("<!-- END demo -->")]
+    quoted = re.findall(r"accuracy with the (?:EMA running|precise) stats: +([\d.]+%) \(loss ([\d.]+)\)", doc)
+    row = re.search(r"^\| 0 \| (\S+) \| (\S+) \| (\S+) \| (\S+) \|$", results, re.M).groups()
+    assert [cell for pair in quoted for cell in pair] == list(row)
+    kernels, version = re.search(r"CPU kernels: (\w+) \(.*?\), torch (\S+)\.", results).groups()
+    flat = " ".join(doc.split())
+    assert "CPU kernels {} and torch {}".format(kernels, version.split("+")[0]) in flat
+    summary = re.search(r'"(Over 10 seeds: .*?)"', flat).group(1)
+    assert summary in " ".join(results.split())
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", lambda: None)()
+    if (capability, torch.__version__) == (kernels, version):
+        from precise_bn.cli.demo import run_demo
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = run_demo(seed=0, quiet=True)
+        assert ("{:.2%}".format(result.ema_accuracy), "{:.4f}".format(result.ema_loss),
+                "{:.2%}".format(result.precise_accuracy), "{:.4f}".format(result.precise_loss)) == row
 
 
 def test_example_training_script_leaves_no_files_behind(tmp_path, monkeypatch, capsys):

@@ -28,6 +28,12 @@ def test_the_generated_cases_cover_every_layout_pattern_dtype_and_kind():
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_written_statistics_are_the_float64_ones_correctly_rounded(seed):
     case = make_case(seed)
+    try:
+        float64_reference(case.model, case.batches[:1], autocast=case.autocast)
+    except RuntimeError:  # torch 1.10 has no CPU batch_norm for bfloat16 or float16: neither have we
+        with pytest.raises(RuntimeError, match="not implemented"):
+            recompute(copy.deepcopy(case.model), case.batches, autocast=case.autocast, progress=False)
+        return
     ref_mean, ref_var, count = float64_reference(case.model, case.batches, autocast=case.autocast)[case.bn_name]
     model = copy.deepcopy(case.model)
     with warnings.catch_warnings():

@@ -1,6 +1,8 @@
 """BatchNormHelper on the torch backend: settings, the aux view and the per-iteration cache."""
 from __future__ import annotations
 
+import copy
+
 import sys
 import types
 from types import SimpleNamespace
@@ -86,10 +88,12 @@ def test_cache_same_iteration_reapplies_without_forward():
 
 def test_options_pass_through_to_update_bn_stats():
     model = Counting()
-    helper = BatchNormHelper(iters=2, exact=True)
+    helper = BatchNormHelper(iters=2, unbiased=True)
     helper.create_bn_aux_model(model, [(x, 0) for x in _data(2)])
+    ref_mean, ref_var, count = float64_reference(copy.deepcopy(model), _data(2))["bn"]
     report = helper.compute_and_update_bn_stats(1)
-    assert report.estimator == "exact" and report.batches == 2
+    assert report.batches == 2
+    assert_close_exact(report["bn"].new_mean, report["bn"].new_var, ref_mean, ref_var * count / (count - 1))
     with pytest.raises(ConfigError, match="data"):
         helper.create_bn_aux_model(model)
 

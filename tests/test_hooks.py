@@ -265,3 +265,67 @@ def test_new_weights_at_the_same_step_are_recomputed():
     assert_same_stats(bn_stats(model), expected_stats(model, batches[:3]))
     hook.before_eval(4)
     assert hook.recomputations == 3
+
+
+def test_each_call_says_what_it_did_in_the_logger_it_was_given(caplog):
+    batches = make_batches(3)
+    hook = PreciseBNHook(make_model(), batches, num_batches=3, logger=logging.getLogger("some.framework"))
+    silent = PreciseBNHook(make_model(), batches, num_batches=3, logger=None)
+    with caplog.at_level(logging.INFO):
+        hook.before_eval(5)
+        hook.before_checkpoint(5)
+        silent.before_eval(5)
+    lines = [r.getMessage() for r in caplog.records if r.name == "some.framework"]
+    assert len(lines) == 2 and not [r for r in caplog.records if r.name not in ("some.framework", "precise_bn")]
+    assert lines[0].startswith("precise-bn: 2 BatchNorm layers, 3 batches (12 samples), world size 1")
+    assert lines[0].endswith("; for the evaluation at step 5") and " s; stopped: num_batches" in lines[0]
+    assert lines[1] == "precise-bn: the checkpoint at step 5 gets the statistics recomputed for that step and " \
+                       "those weights"
+
+
+def test_an_extra_models_stats_go_into_its_own_state_dict_and_can_be_lent():
+    """What mmengine's EMAHook and Lightning's WeightAveraging need: each set of weights' stats
+    written into its own dict, and the EMA copy's lent to the model while its weights are."""
+    model, batches = make_model(), make_batches(4)
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    hook = PreciseBNHook(model, batches, num_batches=4, extra_models=[ema])
+    hook.before_checkpoint(1)
+    own, averaged = bn_stats(model), bn_stats(ema)
+    assert not torch.equal(own["1"][1], averaged["1"][1])
+    assert hook.stats_of(0).keys() == hook.stats_of(1).keys() == {"1", "5"}
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    ema_state = {"module." + k: torch.zeros_like(v) for k, v in ema.state_dict().items()}
+    assert hook.write_into(state) == [] and hook.write_into(ema_state, "module.", member=1) == []
+    for name in ("1", "5"):
+        assert torch.equal(state[name + ".running_var"], own[name][1])
+        assert torch.equal(ema_state["module." + name + ".running_var"], averaged[name][1])
+    assert hook.write_into({}, member=1) == ["1.running_mean", "1.running_var", "5.running_mean", "5.running_var"]
+    hook.lend(1)
+    assert_same_stats(bn_stats(model), averaged)
+    assert_same_stats(bn_stats(ema), averaged)
+    hook.take_back()
+    assert_same_stats(bn_stats(model), own)
+    with torch.no_grad():
+        model[1].running_var.fill_(3.0)
+    hook.take_back()  # nothing lent: nothing written
+    assert bool((model[1].running_var == 3.0).all())
+
+
+def test_forget_makes_the_same_step_and_weights_recompute():
+    """A write through ``.data`` (how EMA and weight-averaging callbacks swap weights) leaves the
+    version counters alone: the key cannot see it, and an integration that knows says forget()."""
+    model, batches = make_model(), make_batches(4)
+    hook = PreciseBNHook(model, batches, num_batches=2)
+    hook.before_eval(1)
+    model[0].weight.data.mul_(2.0)
+    assert hook.cached_for(1)
+    hook.before_checkpoint(1)
+    assert hook.recomputations == 1
+    hook.forget()
+    assert not hook.cached_for(1)
+    hook.before_checkpoint(1)
+    assert hook.recomputations == 2
+    assert_same_stats(bn_stats(model), expected_stats(model, batches[2:4]))

@@ -57,7 +57,7 @@ def test_a_handler_that_does_not_raise_never_costs_the_write(name):
 
 
 @thread_timeout
-@pytest.mark.parametrize("name", ["hook-recompute", "hook-reapply", "recalibrated", "undo"])
+@pytest.mark.parametrize("name", ["hook-recompute", "hook-reapply", "hook-lend", "recalibrated", "undo"])
 def test_an_exception_at_every_line_leaves_the_model_whole(name):
     """A hook's recomputation runs every line a ``recompute`` runs once its options are built,
     and the step cache's; a ``recalibrated`` block every line of a recompute and of the
@@ -69,7 +69,8 @@ def test_an_exception_at_every_line_leaves_the_model_whole(name):
 
 @thread_timeout
 @pytest.mark.parametrize("raising", [True, False], ids=["raising", "counting"])
-@pytest.mark.parametrize("name,stride", [("hook-reapply", 1), ("recompute", 5), ("recalibrated", 5), ("undo", 1)])
+@pytest.mark.parametrize("name,stride", [("hook-reapply", 1), ("hook-lend", 1), ("recompute", 5), ("recalibrated", 5),
+                                         ("undo", 1)])
 def test_a_signal_at_every_line_is_deferred_or_raised_never_lost(name, stride, raising):
     """Every fifth of the 1,500-odd lines of a recompute keeps the test short; the benchmark
     runs every line of every case."""

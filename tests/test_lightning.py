@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -378,3 +379,99 @@ def augmented_run(with_callback: bool, workers: int) -> dict:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_lightning_run_unchanged_by_the_callback(workers):
     unchanged.assert_same_parameters(augmented_run(True, workers), augmented_run(False, workers))
+
+
+def recorded_fit(tmp_path: Path, callbacks: list, max_epochs: int = 2, ours_first: bool = True):
+    """TinyNet fitted with PreciseBNCallback(num_batches=3) and ``callbacks`` (after it, or
+    before); the batches each recomputation read, by global step (those the module itself got)."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    used = {}
+
+    def recording_forward(module, batch):
+        if module is net:
+            used.setdefault(trainer.global_step, []).append(batch)
+        return default_forward(module, batch)
+
+    callback = PreciseBNCallback(num_batches=3, forward_fn=recording_forward)
+    trainer = lightning.Trainer(
+        max_epochs=max_epochs, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, callbacks=[*([callback] + callbacks if ours_first else callbacks + [callback]),
+                                 ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)],
+    )
+    trainer.fit(net, loader(32, seed=1), loader(16, seed=2))
+    return net, trainer, callback, used
+
+
+def assert_precise(state: dict, batches, what: str) -> None:
+    """``state``'s BN statistics are the float64 population statistics of ``batches`` under its weights."""
+    replay = TinyNet()
+    replay.load_state_dict(state)
+    for name, (mean, var, _) in float64_reference(replay.model, batches).items():
+        assert_close_exact(state["model.{}.running_mean".format(name)], state["model.{}.running_var".format(name)],
+                             mean, var, what="{} {}".format(what, name))
+
+
+@pytest.mark.parametrize("ours_first", [True, False], ids=["callback-first", "averaging-first"])
+def test_weight_averaging_validates_and_saves_the_average_with_its_own_statistics(tmp_path: Path, ours_first):
+    """EMAWeightAveraging swaps the average in for validation, moves the trained weights to
+    current_model_state in checkpoints (before or after this callback's on_save_checkpoint,
+    by their order) and copies the average into the module when fit ends."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    averaging = EMAWeightAveraging(decay=0.5)
+    net, trainer, callback, used = recorded_fit(tmp_path, [averaging], ours_first=ours_first)
+    assert sorted(used) == [4, 8] and callback.hook.recomputations == 2
+    for path in sorted(tmp_path.glob("*.ckpt")):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        step = checkpoint["global_step"]
+        averaged, trained = checkpoint["state_dict"], checkpoint["current_model_state"]
+        assert not torch.equal(averaged["model.0.weight"], trained["model.0.weight"])
+        assert_precise(averaged, used[step], "averaged, {}".format(path.name))
+        assert_precise(trained, used[step], "trained, {}".format(path.name))
+        for name, (mean, var) in net.validated[step].items():  # validation ran the average, with its stats
+            assert torch.equal(averaged["model." + name + ".running_mean"], mean), (path, name)
+            assert torch.equal(averaged["model." + name + ".running_var"], var), (path, name)
+    # After fit the module holds the average, copied in through .data: validate() recomputes for it.
+    net.validated, used_before = {}, dict(used)
+    used.clear()
+    trainer.validate(net, loader(16, seed=2), verbose=False)
+    assert callback.hook.recomputations == 3 and len(used[8]) == 3
+    assert_validated_with_recomputed(net, used[8])
+    assert used_before.keys() == {4, 8}
+
+
+def test_stochastic_weight_averaging_gets_statistics_for_the_averaged_weights(tmp_path: Path):
+    """Lightning copies the SWA average into the module for one last epoch; the validation and
+    the checkpoint after it get that module's statistics, recomputed."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    net, trainer, callback, used = recorded_fit(tmp_path, [swa])
+    last = max(tmp_path.glob("*.ckpt"), key=lambda p: torch.load(p, weights_only=False)["global_step"])
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    step = checkpoint["global_step"]
+    for (name, p), q in zip(net.named_parameters(), swa._average_model.parameters()):
+        assert torch.equal(checkpoint["state_dict"][name], q.detach()), name  # the average, saved
+    assert_precise(checkpoint["state_dict"], used[step], "SWA")
+    for name, (mean, var) in net.validated[step].items():
+        assert torch.equal(checkpoint["state_dict"]["model." + name + ".running_var"], var), name
+
+
+def test_lines_go_to_lightnings_log(tmp_path: Path):
+    from precise_bn.lightning import LOGGER
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    LOGGER.addHandler(handler)
+    try:
+        recorded_fit(tmp_path, [], max_epochs=1)
+    finally:
+        LOGGER.removeHandler(handler)
+    assert LOGGER.getEffectiveLevel() <= logging.INFO and LOGGER.name.startswith(lightning.pytorch.__name__)
+    (computed, written) = lines
+    assert computed.startswith("precise-bn: 2 BatchNorm layers, 3 batches (24 samples), world size 1")
+    assert computed.endswith("; for the evaluation at step 4") and " s; stopped: num_batches" in computed
+    assert written == "precise-bn: the checkpoint at step 4 gets the statistics recomputed for that step and " \
+                      "those weights"

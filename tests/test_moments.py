@@ -88,6 +88,10 @@ def test_the_policy_comes_from_the_environment_and_a_bad_value_is_refused(monkey
     assert kernels._thread is None and not kernels.ready
 
 
+needs_compile = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile came with torch 2.0")
+
+
+@needs_compile
 def test_auto_compiles_once_enough_was_measured_eagerly_or_is_expected(monkeypatch):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
     monkeypatch.setattr(moments, "COMPILE_AFTER", 1000)
@@ -117,6 +121,8 @@ def test_auto_compiles_once_enough_was_measured_eagerly_or_is_expected(monkeypat
 
 def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypatch, caplog):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
+    if not hasattr(torch, "compile"):
+        return _without_torch_compile(caplog)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found\nmore detail")
@@ -136,6 +142,20 @@ def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypat
     _assert_exact(stats, x.view(4, 3, 8), "after the failure")
 
 
+def _without_torch_compile(caplog):
+    """torch 1.10: one line says why, and the eager sums measure."""
+    kernels = moments.Kernels()
+    x = torch.randn(4, 3, 8)
+    with caplog.at_level(logging.WARNING, logger="precise_bn"):
+        stats, _ = kernels.sums("channels_first", x, torch.zeros(3))
+        kernels.sums("channels_first", x, torch.zeros(3))
+    assert kernels.failures == ["this torch ({}) has no torch.compile".format(torch.__version__)]
+    assert [r.getMessage() for r in caplog.records if "eager" in r.getMessage()] == [
+        "precise-bn: float64 sums run as eager operators (the same numbers, slower): compiling them failed: "
+        + kernels.failures[0]]
+    _assert_exact(stats, x, "without torch.compile")
+
+
 @pytest.fixture(scope="module")
 def compiled_kernels():
     """A Kernels object with every form of ``_inputs()`` compiled (tens of seconds on a cold cache)."""
@@ -151,6 +171,7 @@ def compiled_kernels():
     return kernels
 
 
+@needs_compile
 @torch.no_grad()
 def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kernels, monkeypatch):
     assert not compiled_kernels.failures, compiled_kernels.failures
@@ -171,6 +192,7 @@ def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kerne
             _assert_exact(moments.measure(x, shift), x, "compiled {} {} shift {}".format(tuple(x.shape), x.dtype, name))
 
 
+@needs_compile
 def test_a_pass_with_compiled_sums_writes_the_float64_statistics(compiled_kernels, monkeypatch):
     monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
     gen = torch.Generator().manual_seed(3)

@@ -7,6 +7,8 @@ float64 reference computed over real source and target samples put together.
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from cli_factories import trained_net
 from cli_helpers import TRUST, load, run_cli
 from interrupt_cases import make_batches, make_model, model_state
 from precise_bn import ConfigError, UndoError, recalibrated, recompute
+from precise_bn.errors import PreciseBNWarning
 from precise_bn.cli.parser import build_parser
 from reference import assert_close_exact, float64_reference
 
@@ -45,6 +48,19 @@ def test_the_block_sees_recomputed_stats_and_leaves_the_model_bit_for_bit_as_it_
             assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
         model(batches[0])  # a train-mode forward moves the stats and num_batches_tracked
     assert model_state(model) == before
+
+
+def test_a_warning_on_entering_or_leaving_the_block_points_at_the_with_line():
+    """Entering and leaving go through contextlib: the warning names the user's line, not it."""
+    model, batches = make_model(blocks=2), make_batches(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        with recalibrated(model, batches, num_batches=5, progress=False):
+            pass
+    short = [w for w in caught if issubclass(w.category, PreciseBNWarning) and "data ran out" in str(w.message)]
+    assert len(short) == 1 and (short[0].filename, short[0].lineno) == (__file__, line), \
+        [(w.filename, w.lineno, str(w.message)) for w in caught]
 
 
 def test_an_exception_in_the_block_restores_the_model_and_propagates():

@@ -2,6 +2,8 @@
 a drift large enough to matter is marked."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from cli_factories import batches, small_net
@@ -39,3 +41,19 @@ def test_small_drifts_are_not_marked():
     report.layers = [layer for layer in report.layers if max(layer.mean_drift, layer.var_drift) < LARGE_DRIFT]
     assert report.layers, "every layer drifted a lot: the test's data no longer makes the case"
     assert "*" not in str(report)
+
+
+def test_one_batch_of_one_sample_is_counted_in_the_singular(caplog):
+    torch.manual_seed(0)
+    net = small_net()
+    net.eval()  # a batch of one sample: batch statistics in training mode need two
+    for module in net.modules():
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.track_running_stats = False  # the BN1d needs two samples; the BN2d layers one image
+    with caplog.at_level(logging.INFO, logger="precise_bn"):
+        report = recompute(net, [batches(n=2, batch_size=1)[0][0][:1]], progress=False)
+    assert report.batches == 1 and report.samples == 1
+    assert ", 1 batch (1 sample)," in report.summary()
+    assert any(": 1 batch (1 sample) read in" in r.getMessage() for r in caplog.records), caplog.text
+    many = _report(offset=0.0)
+    assert ", {} batches ({} samples),".format(many.batches, many.samples) in many.summary()

@@ -143,8 +143,7 @@ class Caffe2Format(Format):
         from ..caffe2.names import torch_to_caffe2
 
         blobs, conversion = torch_to_caffe2(dict(state), rules, unmapped=unmapped, source="converting to " + path)
-        logger.info("%s: PyTorch names to Caffe2 blobs: %s", path, conversion)
-        return caffe2_writer(blobs), conversion
+        return caffe2_writer(blobs), conversion  # the caller shows the conversion (convert lists it)
 
 
 class TorchFormat(Format):

@@ -62,7 +62,7 @@ def _recompute(args: argparse.Namespace) -> None:
             in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks,
             overwrite=args.overwrite, key=args.key,
             prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=show.rules_of(args), **options)
-        if distributed.is_main_process():
+        if distributed.is_main_process() and not args.quiet:
             print(report)
     finally:
         if joined:
@@ -70,7 +70,7 @@ def _recompute(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    run_demo(steps=args.steps, seed=args.seed, workdir=args.workdir, progress=False if args.quiet else None)
+    run_demo(steps=args.steps, seed=args.seed, workdir=args.workdir, quiet=args.quiet)
 
 
 def _rank_device(device: Optional[str]) -> Optional[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -51,10 +52,10 @@ class DemoResult:
     seconds: float
 
 
-def run_demo(
-    steps: int = DEFAULT_STEPS, seed: int = 0, workdir: Optional[str] = None, progress: Optional[bool] = None
-) -> DemoResult:
-    """Train, save, recompute through the ``recompute`` command's function, evaluate, print.
+def run_demo(steps: int = DEFAULT_STEPS, seed: int = 0, workdir: Optional[str] = None,
+             quiet: bool = False) -> DemoResult:
+    """Train, save, recompute through the ``recompute`` command's function, evaluate, print
+    (``quiet``: no progress bar and no report table, the accuracies still).
 
     Runs on one CPU thread: for tensors this small, more threads only add synchronisation, and
     on a busy machine their spinning makes training many times slower.
@@ -62,12 +63,12 @@ def run_demo(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_demo(steps, seed, workdir, progress)
+        return _run_demo(steps, seed, workdir, quiet)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[bool]) -> DemoResult:
+def _run_demo(steps: int, seed: int, workdir: Optional[str], quiet: bool) -> DemoResult:
     started = time.perf_counter()
     train_x, train_y, test_x, test_y = load_digits()
     torch.manual_seed(seed)
@@ -89,8 +90,11 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
         np.savez(data, x=train_x.numpy())
         # The demo wrote this file a moment ago; a torch without weights_only needs the flag.
         trust = not SAFE_LOAD_AVAILABLE
-        command = "precise-bn recompute {} --model {} --data npz:{}:x --num-samples {} --batch-size {}{}".format(
-            checkpoint, MODEL_SPEC, data, len(train_x), BATCH_SIZE, " --trust-checkpoint" if trust else "")
+        # Pasted as printed, it writes the same bits again: one thread, as here, and over the
+        # output this run wrote.
+        command = "OMP_NUM_THREADS=1 precise-bn recompute {} --model {} --data {} --num-samples {} --batch-size {} " \
+                  "--overwrite{}".format(shlex.quote(checkpoint), MODEL_SPEC, shlex.quote("npz:{}:x".format(data)),
+                                         len(train_x), BATCH_SIZE, " --trust-checkpoint" if trust else "")
         if workdir is None:
             command = "the recompute command on files in a temporary folder, deleted at the end (precise-bn demo " \
                       "--workdir DIR keeps them and shows the command)"
@@ -102,13 +106,14 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], progress: Optional[
             num_samples=len(train_x),
             batch_size=BATCH_SIZE,
             trust=trust,
-            progress=progress,
+            progress=False if quiet else None,
             overwrite=True,  # the output of an earlier demo in the same --workdir
         )
         ema_accuracy, ema_loss = evaluate(_load(checkpoint), test_x, test_y)
         precise_accuracy, precise_loss = evaluate(_load(output), test_x, test_y)
     result = DemoResult(ema_accuracy, ema_loss, precise_accuracy, precise_loss, report, time.perf_counter() - started)
-    print(report)
+    if not quiet:
+        print(report)
     print("held-out accuracy with the EMA running stats: {:6.2%} (loss {:.4f})".format(ema_accuracy, ema_loss))
     print("held-out accuracy with the precise stats:     {:6.2%} (loss {:.4f})".format(precise_accuracy, precise_loss))
     print("total {:.1f} s".format(result.seconds))

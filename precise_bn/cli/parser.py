@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict, Optional, Sequence
+import re
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from .._version import __version__
 from ..errors import ConfigError
@@ -13,24 +14,41 @@ from .demo import DEFAULT_STEPS
 from .job import DEFAULT_ITERS
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a positive integer, got {!r}".format(text))
-    if value <= 0:
-        raise argparse.ArgumentTypeError("expected a positive integer, got {}".format(value))
-    return value
+def _number(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)``, refused with "expected ``expected``" unless ``ok``."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("expected {}, got {!r}".format(expected, text))
+        if not ok(value):
+            raise argparse.ArgumentTypeError("expected {}, got {}".format(expected, text))
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a positive number, got {!r}".format(text))
-    if not value > 0:
-        raise argparse.ArgumentTypeError("expected a positive number, got {}".format(text))
-    return value
+_positive_int = _number(int, lambda v: v > 0, "a positive integer")
+_positive_float = _number(float, lambda v: v > 0, "a positive number")
+_fraction = _number(float, lambda v: 0 < v < 1, "a number between 0 and 1, such as 0.01")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but a ``%`` in a help text is a percent sign ("95% of channels"), not a format
+    code: argparse expands help with ``%``, so one stray sign crashes ``--help``. Only
+    ``%(name)s``-style references (``%(default)g``) are expanded."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = super()._get_help_string(action)
+        return None if text is None else re.sub(r"%(?!\(\w+\)[a-z])", "%%", text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the command, sub-commands' included (argparse makes them of the main
+    parser's class), formats its help with :class:`_HelpFormatter`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _json_object(text: str) -> Dict[str, Any]:
@@ -107,7 +125,7 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     budget.add_argument("--num-samples", type=_positive_int, help=option_help("num_samples"))
     rec.add_argument("--device", help=option_help("device") + ": cpu, cuda, cuda:1, ... (default cpu)")
     rec.add_argument("--exact", action="store_true", help=option_help("exact"))
-    rec.add_argument("--rtol", type=float, help=option_help("rtol"))
+    rec.add_argument("--rtol", type=_fraction, help=option_help("rtol"))
     rec.add_argument("--min-batches", type=_positive_int, help=option_help("min_batches"))
     rec.add_argument("--prior", type=float, default=0.0, metavar="N",
                      help=option_help("prior") + " (the checkpoint's running stats are the source)")
@@ -135,15 +153,16 @@ def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="precise-bn", description="Exact population BatchNorm statistics for saved checkpoints."
     )
     parser.add_argument("--version", action="version", version="precise-bn " + __version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors, no progress bar")
+    common = _Parser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bar, log lines or report table: the results, warnings and errors only")
     common.add_argument("--debug", action="store_true", help="on an error, show the whole traceback")
     add_loading = _add_loading
 
@@ -171,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: ``recompute`` flags whose values :class:`~precise_bn.options.Options` checks, by its argument.
-CHECKED_BY_OPTIONS = {"rtol": "--rtol", "device": "--device", "min_batches": "--min-batches"}
+CHECKED_BY_OPTIONS = {"device": "--device"}
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -5,7 +5,7 @@ import argparse
 import importlib
 import math
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -13,11 +13,11 @@ from ..checkpoint.formats import load_checkpoint
 from ..checkpoint.paths import check_paths
 from ..checkpoint.provenance import provenance_of
 from ..checkpoint.serializers import write_file
-from ..checkpoint.state import Checkpoint, bn_layers, prefix_counts
+from ..checkpoint.state import Checkpoint, bn_layers, prefix_counts, wrapper_prefix
 from ..errors import BackendUnavailableError, ConfigError
-from ..report import LayerReport, legend
+from ..report import LayerReport, counted, legend
 from .specs import load_object
-from .tables import counted, table
+from .tables import table
 
 
 def rules_of(args: argparse.Namespace) -> Any:
@@ -44,11 +44,27 @@ def provenance_line(entry: Any) -> Optional[str]:
         text if len(text) <= 200 else text[:200] + "...")
 
 
+def named_layers(ckpt: Checkpoint) -> Tuple[str, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+    """The BN layers of ``ckpt`` (:func:`bn_layers`) named as ``recompute`` names them: without
+    the wrapper prefix every one of them has (``model.`` of a LightningModule, DDP's
+    ``module.``); and that prefix."""
+    layers = bn_layers(ckpt.state_dict)
+    prefix = wrapper_prefix(layers)
+    return prefix, {name[len(prefix):]: stats for name, stats in layers.items()}
+
+
+def _prefix_line(ckpt: Checkpoint, prefix: str) -> None:
+    if prefix:
+        print("{}: every BatchNorm layer sits under {!r}; named without it below, as recompute names them".format(
+            ckpt.path, prefix))
+
+
 def drift_layers(old: Checkpoint, new: Checkpoint) -> Tuple[List[LayerReport], List[str], List[str]]:
-    """Pair the BN layers of two checkpoints (a module prefix on either side is allowed) and
-    return their drift as :class:`LayerReport` (eps 1e-5: checkpoints do not store it), plus
-    the layers found only in ``old`` and only in ``new`` (or with another channel count)."""
-    a, b = bn_layers(old.state_dict), bn_layers(new.state_dict)
+    """Pair the BN layers of two checkpoints (named as :func:`named_layers` names them; a module
+    prefix on either side is allowed) and return their drift as :class:`LayerReport` (eps 1e-5:
+    checkpoints do not store it), plus the layers found only in ``old`` and only in ``new`` (or
+    with another channel count)."""
+    a, b = named_layers(old)[1], named_layers(new)[1]
     pairs: List[Tuple[str, str]] = []
     for outer, inner, flip in ((a, b, False), (b, a, True)):
         counts = prefix_counts(outer, inner)
@@ -127,13 +143,15 @@ def plot_drift(layers: Sequence[LayerReport], path: str, title: str) -> None:
 
 
 def _list_layers(ckpt: Checkpoint) -> None:
-    layers = bn_layers(ckpt.state_dict)
+    prefix, layers = named_layers(ckpt)
     print(counted(len(layers), "BatchNorm layer"))
     if not layers:
         return
+    _prefix_line(ckpt, prefix)
     rows = [("layer", "channels", "running_mean min .. max", "running_var min .. max", "num_batches_tracked")]
     for name, (mean, var) in layers.items():
-        tracked = ckpt.state_dict.get(name + ".num_batches_tracked" if name else "num_batches_tracked")
+        key = prefix + name
+        tracked = ckpt.state_dict.get(key + ".num_batches_tracked" if key else "num_batches_tracked")
         rows.append((name, str(mean.numel()), _stat_range(mean), _stat_range(var),
                      "-" if tracked is None else str(int(tracked))))
     print(table(rows))
@@ -157,6 +175,8 @@ def run(args: argparse.Namespace) -> None:
     other = load_checkpoint(args.against, key=args.key, trust=args.trust_checkpoint, rules=rules_of(args))
     layers, only_old, only_new = drift_layers(ckpt, other)
     print("drift from {} to {}: {} in both".format(ckpt.path, other.path, counted(len(layers), "BatchNorm layer")))
+    for each in (ckpt, other):
+        _prefix_line(each, named_layers(each)[0])
     if layers:
         rows = [("layer", "channels", "mean drift", "var drift")]
         rows += [(l.name, str(l.old_mean.numel()), "{:.4g}".format(l.mean_drift), "{:.4g}".format(l.var_drift))

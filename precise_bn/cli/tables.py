@@ -1,13 +1,8 @@
-"""Text the commands print: aligned tables and counted nouns (what each reported number means is
+"""Aligned tables, as the commands print them (what each reported number means is
 :func:`precise_bn.report.legend`)."""
 from __future__ import annotations
 
 from typing import List, Sequence
-
-
-def counted(count: int, noun: str) -> str:
-    """``1 BatchNorm layer``, ``3 BatchNorm layers``."""
-    return "{} {}{}".format(count, noun, "" if count == 1 else "s")
 
 
 def table(rows: List[Sequence[str]]) -> str:

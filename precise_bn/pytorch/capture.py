@@ -94,38 +94,30 @@ class _Block:
         self.results, self.counts = [], []
 
 
-_FunctionMode: Any = getattr(torch.overrides, "TorchFunctionMode", None)
 # Each batch_norm's positional arguments, as far as the ones read here.
 _BATCH_NORMS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training"),
                 torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training")}
 
 
-class _NormalisedInputs(_FunctionMode or object):  # type: ignore[misc]
-    """During a subclass's own forward, the inputs of every training-mode batch_norm call that
-    updates the slot ``mean``: what the layer's running statistics describe, which need not be
-    the module's input (a subclass may scale it first). Nothing is seen without torch function
-    modes (torch < 1.13): the module's input is measured then."""
+class _Slot(torch.Tensor):
+    """The running mean handed to a subclass's own forward: it records the input of every
+    training-mode batch_norm call that updates it, which is what the layer's running statistics
+    describe (a subclass may scale its input first). Only calls that involve the slot pass
+    through here, and their results are plain tensors: torch's C implementation runs them with
+    subclass dispatch off and back on in one step, which no exception can split (a Python
+    ``with`` block can be left between the two)."""
 
-    def __init__(self, mean: torch.Tensor):
-        super().__init__()
-        self.mean = mean
-        self.inputs: List[torch.Tensor] = []
+    seen: List[torch.Tensor]
 
-    def __enter__(self) -> "_NormalisedInputs":
-        return super().__enter__() if _FunctionMode is not None else self  # type: ignore[no-any-return]
-
-    def __exit__(self, *exc: Any) -> None:
-        if _FunctionMode is not None:
-            super().__exit__(*exc)
-
-    def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _BATCH_NORMS:
-            named = dict(zip(_BATCH_NORMS[func], args))
-            named.update(kwargs)
-            if named.get("running_mean") is self.mean and named.get("training"):
-                self.inputs.append(named["input"])
-        return func(*args, **kwargs)
+            named = dict(zip(_BATCH_NORMS[func], args), **kwargs)
+            slot = named.get("running_mean")
+            if isinstance(slot, _Slot) and named.get("training"):
+                slot.seen.append(named["input"])
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
 
 class CallCapture:
@@ -149,15 +141,18 @@ class CallCapture:
     def _slot_for(self, device: torch.device, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         slot = self._slots.get(device)
         if slot is None:
-            slot = self._slots[device] = (torch.zeros(like.shape, dtype=like.dtype, device=device),
-                                          torch.ones(like.shape, dtype=like.dtype, device=device))
+            mean = torch.zeros(like.shape, dtype=like.dtype, device=device)
+            if self.saved_class not in _PLAIN_BN:
+                mean = mean.as_subclass(_Slot)
+                mean.seen = []
+            slot = self._slots[device] = (mean, torch.ones(like.shape, dtype=like.dtype, device=device))
         return slot
 
     def attach(self, module: _BatchNorm) -> None:
         """Route ``module``'s calls through this capture until :meth:`detach`: its class is
         swapped, it is put in training mode with ``momentum = 1``, and what it had is saved."""
-        self._slot_for(module.running_mean.device, module.running_mean)
         self.saved_class = type(module)
+        self._slot_for(module.running_mean.device, module.running_mean)
         self.saved_momentum = module.momentum
         self.saved_training = module.training
         module.__dict__[_CAPTURE_ATTR] = self
@@ -190,11 +185,13 @@ class CallCapture:
                 shift: Optional[torch.Tensor] = mean
                 self._add(x, mean)
             else:
+                assert isinstance(mean, _Slot)
                 self._point_at(module, mean, var)
-                with _NormalisedInputs(mean) as seen:
-                    out = forward(module, x, *args, **kwargs)
-                for normalised in seen.inputs or [x]:
+                mean.seen = []
+                out = forward(module, x, *args, **kwargs)
+                for normalised in mean.seen or [x]:
                     self._add(normalised, None)
+                mean.seen = []
             return out
 
     def _add(self, x: torch.Tensor, shift: Optional[torch.Tensor]) -> None:
