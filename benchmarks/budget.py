@@ -4,9 +4,8 @@ standard errors against the true error, and what the check costs.
     python benchmarks/budget.py [--quick] [--out DIR] [--threads N]
 
 On the demo's CNN trained on its bundled digits (real data) and on torchvision models with a
-finite synthetic data set: the population is the data set as batches see it, measured exactly
-(``exact=True``) over many reshuffled epochs, twice with different orders (their distance is the
-target's own noise). Each run reads an endless shuffled loader (reshuffled every epoch) with
+finite synthetic data set: the population is the data set as batches see it, measured over many
+reshuffled epochs, twice with different orders (their distance is the target's own noise). Each run reads an endless shuffled loader (reshuffled every epoch) with
 ``rtol`` = 1e-2, 3e-3, 1e-3, or fvcore's 200 iterations; for each: batches, time, why it stopped,
 the worst standard error the report states, and the true error of the written stats against the
 population. Then the calibration (the demo, many draws of independent random batches: true error
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -104,9 +102,9 @@ def relative_stderrs(report: BNReport, target: BNReport) -> Tuple[torch.Tensor, 
 
 
 def population(model: nn.Module, x: torch.Tensor, batch: int, count: int, seed: int) -> BNReport:
-    """Exact statistics over ``count`` epochs of ``x`` in reshuffled batches."""
+    """The statistics of ``count`` epochs of ``x`` in reshuffled batches."""
     return recompute(copy.deepcopy(model), epochs(x, batch, seed), num_batches=count * (len(x) // batch),
-                     exact=True, progress=False, log_period=None)
+                     progress=False, log_period=None)
 
 
 def runs(model: nn.Module, x: torch.Tensor, batch: int, target: BNReport, budget: int,
@@ -237,7 +235,7 @@ def study_table(s: Dict[str, Any]) -> str:
     if "ema" in s:
         rows.append(["EMA stats after training", "-", "-", "-", "-", "-"] + [common.fmt_err(v) for v in s["ema"]]
                     + ["-", "-"])
-    return "**{}**: {} samples in batches of {}; population: exact over {} reshuffled epochs (another such pass " \
+    return "**{}**: {} samples in batches of {}; population: {} reshuffled epochs (another such pass " \
            "is within {} of it).\n\n".format(s["name"], s["samples"], s["batch"], s["epochs"], common.fmt_err(s["noise"])) \
         + common.markdown_table(["run", "batches", "samples", "stopped", "seconds", "worst stated se",
                                  "worst d mean / std", "worst d var / var", "median error", "channels within rtol",
@@ -270,8 +268,7 @@ def render(args: argparse.Namespace, argv: Optional[Sequence[str]], studies: Seq
     parts = [
         "## How many batches are enough (`benchmarks/budget.py`)",
         "Command: `{}`".format(common.command_line(argv)),
-        common.environment_text(args.threads) + " 1-minute load average when written: {:.2f}; the "
-        "seconds column is wall time on this shared machine.".format(os.getloadavg()[0]),
+        common.environment_text(args.threads) + " The seconds column is wall time on this shared machine.",
         "![budget](budget.png)",
         "Each run reads an endless loader of the data set, reshuffled every epoch, and stops on `rtol` "
         "(the rule of `docs/precision.md`, checked every 8 batches after 16: for every channel, Student's t "

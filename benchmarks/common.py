@@ -1,9 +1,11 @@
-"""What every benchmark script shares: timing against an adjacent floor run, the command line,
-markdown tables, the machine's description, and writing its own section of RESULTS.md.
+"""What every benchmark script shares: timing against an adjacent floor run at steady state,
+the command line, markdown tables, the machine's description, and writing its own section of
+RESULTS.md.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -15,11 +17,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 
 import precise_bn
+from precise_bn import moments
 from precise_bn.atomic import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +40,59 @@ def collect() -> None:
     if COLLECT:
         gc.collect()
 
+
+def settle() -> None:
+    """Steady state, before anything is timed: compile the float64 sums of every form the
+    warm-up runs measured (what a process does once it has measured
+    ``moments.COMPILE_AFTER`` elements) and wait for them, so that no compile runs during a
+    timed run and every timed call uses the compiled sums. A no-op with
+    ``PRECISE_BN_COMPILE=never``; a failed compile is logged (the eager sums then run)."""
+    moments.KERNELS.start()
+    moments.KERNELS.wait()
+    if moments.KERNELS.failures:
+        log.warning("compiling the float64 sums failed, timing the eager ones: %s", moments.KERNELS.failures)
+
+
+@contextlib.contextmanager
+def compile_policy(policy: str) -> Iterator[None]:
+    """``PRECISE_BN_COMPILE=policy`` inside the block (read at every decision), as it was after."""
+    before = os.environ.get("PRECISE_BN_COMPILE")
+    os.environ["PRECISE_BN_COMPILE"] = policy
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PRECISE_BN_COMPILE"]
+        else:
+            os.environ["PRECISE_BN_COMPILE"] = before
+
+
+@contextlib.contextmanager
+def eager_sums() -> Iterator[moments.Kernels]:
+    """Inside the block every call is measured by the eager float64 operators, whatever this
+    process compiled: a fresh, empty :class:`~precise_bn.moments.Kernels` under
+    ``PRECISE_BN_COMPILE=never`` (yielded, so that its ``eager_elements`` can be read)."""
+    saved = moments.KERNELS
+    moments.KERNELS = fresh = moments.Kernels()
+    try:
+        with compile_policy("never"):
+            yield fresh
+    finally:
+        moments.KERNELS = saved
+
+
+def kernel_name(key: Sequence[Any]) -> str:
+    """A compiled form of :data:`precise_bn.moments.KERNELS`, in words: its layout, input
+    dtype, shift dtype, and whether it serves calls under autocast."""
+    short = [str(part).replace("torch.", "") for part in key[:3]]
+    return "{} {} around {}{}".format(*short, " under autocast" if len(key) > 4 and key[4] else "")
+
+
+def sums_text() -> str:
+    """How this process measures the float64 sums: the compile policy and what it compiled."""
+    ready = sorted(kernel_name(key) for key in moments.KERNELS.ready)
+    return "Float64 sums: `PRECISE_BN_COMPILE={}`; compiled in this process: {}.".format(
+        os.environ.get("PRECISE_BN_COMPILE", "auto"), ", ".join(ready) if ready else "none (eager operators)")
 
 
 @dataclasses.dataclass
@@ -66,12 +122,13 @@ class Timing:
 def rotated_seconds(
     runs: Mapping[str, Callable[[], Any]], reps: int, clock: Callable[[], float] = time.perf_counter
 ) -> Dict[str, List[float]]:
-    """Seconds of every run in each of ``reps`` repetitions, after one untimed warm-up each,
-    the order rotated by one each repetition so that no run always goes first (cold caches)
+    """Seconds of every run in each of ``reps`` repetitions, after one untimed warm-up each
+    and :func:`settle`, the order rotated by one each repetition so that no run always goes first (cold caches)
     or last. ``clock`` is wall time by default; ``time.process_time`` gives CPU time."""
     names = list(runs)
     for run in runs.values():
         run()
+    settle()
     seconds: Dict[str, List[float]] = {name: [] for name in names}
     for rep in range(reps):
         k = rep % len(names)
@@ -95,7 +152,7 @@ def time_ratios(
     clock: Callable[[], float] = time.perf_counter,
 ) -> Dict[str, Timing]:
     """Time of every run over the floor's (wall time, or ``clock``), each ratio from a floor run
-    timed right next to it, after one untimed warm-up of every run.
+    timed right next to it, after one untimed warm-up of every run and :func:`settle`.
 
     Each repetition times, for every method in turn (order rotated by one each repetition), the
     floor and the method back to back, the floor first on even repetitions and last on odd ones.
@@ -107,6 +164,7 @@ def time_ratios(
     methods = [name for name in runs if name != floor]
     for run in runs.values():
         run()
+    settle()
     ratios: Dict[str, List[float]] = {name: [] for name in methods}
     floors: Dict[str, List[float]] = {name: [] for name in methods}
     started = time.perf_counter()
@@ -164,8 +222,9 @@ def fmt_err(value: float) -> str:
     return "{:.1e}".format(value) if value == value and value != float("inf") else str(value)
 
 
-def environment_text(threads: int) -> str:
-    """Versions and machine, for the top of a RESULTS.md section."""
+def environment_text(threads: int, sums: Optional[str] = None) -> str:
+    """Versions, machine and load, and how the float64 sums ran (``sums``, else
+    :func:`sums_text`), for the top of a RESULTS.md section."""
     cpu = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -181,9 +240,10 @@ def environment_text(threads: int) -> str:
             pass
     versions.append("precise-bn {}".format(precise_bn.__version__))
     return (
-        "Machine: {} ({} logical cores), {}; torch.set_num_threads({}). {}. Run {}.".format(
+        "Machine: {} ({} logical cores), {}; torch.set_num_threads({}). {}. Run {}; 1-minute load "
+        "average {:.2f}. {}".format(
             cpu, os.cpu_count(), platform.platform(), threads, ", ".join(versions),
-            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0], sums or sums_text(),
         )
     )
 

@@ -3,13 +3,14 @@
     python benchmarks/interleaved.py [--quick] [--out DIR] [--threads N] [--reps N]
 
 The whole-run ratios of ``overhead.py`` and ``compare.py`` move by a few points between runs on
-a shared machine, as much as the 1.02x target. Here two copies of one torchvision model take the
+a shared machine, as much as the 1.05x target. Here two copies of one torchvision model take the
 same batches alternately, one batch at a time (which of the two goes first alternates too), so
 drift cancels within microseconds:
 
 * ``capture``: copy B runs inside an open precise-bn pass (``BNPass``, default path): every BN
-  call goes through the capture and writes its stats into the layer's block. The per-run cost
-  (finding layers, snapshot, final merge) is left out: this isolates the per-call cost.
+  call goes through the capture and is measured from its input in float64, by the compiled sums
+  (compiled after the warm-up, ``common.settle``). The per-run cost (finding layers, snapshot,
+  final merge) is left out: this isolates the per-call cost.
 * ``empty hook``: copy B has a forward hook that does nothing on every BN layer, the floor of
   any hook-based reader.
 * ``identical``: copy B is a plain copy, like A: the machine's own noise.
@@ -67,6 +68,7 @@ def interleaved_ratios(model: nn.Module, batches: List[torch.Tensor], variant: s
             for x in batches:  # warm-up
                 plain(x)
                 other(x)
+            common.settle()
             for rep in range(reps):
                 spent = {id(plain): 0.0, id(other): 0.0}
                 for i, x in enumerate(batches):

@@ -2,8 +2,8 @@
 
     python benchmarks/interrupts.py [--quick] [--out DIR] [--trials N] [--label TEXT]
 
-For each call (``recompute``, ``recompute(exact=True)``, ``update_bn_stats``, a hook's
-recomputation, a hook's re-apply of cached stats):
+For each call of ``tests/interrupt_cases.CASE_NAMES`` (``recompute``, ``update_bn_stats``, a
+hook's recomputation and its re-apply of cached stats, a ``recalibrated`` block, ``undo``):
 
 * ``N`` random-timed SIGALRM trials (default 500) over a model with 101 BN layers, the handler
   raising ``KeyboardInterrupt``, and ``N / 5`` with a handler that only counts;
@@ -60,10 +60,10 @@ _PHASE_OF = {
     "bn_pass.py": {"__init__": "setup", "__enter__": "setup", "old_stats": "setup", "attached": "setup",
                    "step": "pass", "running": "pass", "collect": "merge", "finish": "write", "change": "write",
                    "undo": "write", "restore": "restore", "_restore_buffers": "restore", "__exit__": "restore"},
-    "capture.py": {"attach": "setup", "__init__": "setup", "_capturing_class": "setup", "_block_for": "setup",
-                   "detach": "restore", "flush": "merge", "_merge": "merge", "_uniform_pending": "merge",
-                   "_all_blocks": "merge", "": "pass"},
-    "trust.py": {"": "pass"},
+    "capture.py": {"attach": "setup", "__init__": "setup", "_capturing_class": "setup", "detach": "restore",
+                   "flush": "merge", "_merge": "merge", "_uniform_pending": "merge", "": "pass"},
+    "moments.py": {"": "pass"},
+    "buffers.py": {"check_fits": "report", "round_to": "write"},
     "driver.py": {"run_pass": "pass", "update": "pass", "play": "pass", "finalize": "merge",
                   "build_report": "report", "warn_if_short": "report", "recalibrate": "driver"},
     "step_cache.py": {"_store": "write", "change": "write", "undo": "restore", "": "driver"},

@@ -21,8 +21,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import Batches, Case  # noqa: E402
-from common import FLOOR, collect  # noqa: E402
-from methods import METHODS, Method, plain_forward  # noqa: E402
+from common import FLOOR, collect, settle  # noqa: E402
+from methods import METHODS, Method  # noqa: E402
 
 
 def _status_kib(field: str) -> int:
@@ -47,19 +47,17 @@ def _peak_of(method: Method, model: nn.Module, batches: Batches) -> int:
 
 def _measure_peaks(cases: Sequence[Case], methods: Sequence[str], repeats: int) -> List[Dict[str, int]]:
     """In this process: per case, each method's smallest peak over ``repeats`` runs, each on a
-    fresh copy of the model made before the mark is reset; every method is warmed up once
-    (lazy imports, caches) and every case once by the floor (kernel caches for its shapes)."""
-    warm: set = set()
+    fresh copy of the model made before the mark is reset; every method is warmed up on every
+    case (lazy imports, kernel caches for its shapes) and the float64 sums it needs compiled
+    (``common.settle``) before the first mark."""
     out = []
     for case in cases:
         model, batches = case.build()
-        plain_forward(copy.deepcopy(model), batches)
-        peaks = {}
         for name in methods:
-            if name not in warm:
-                METHODS[name](copy.deepcopy(model), batches)
-                warm.add(name)
-            peaks[name] = min(_peak_of(METHODS[name], copy.deepcopy(model), batches) for _ in range(repeats))
+            METHODS[name](copy.deepcopy(model), batches)
+        settle()
+        peaks = {name: min(_peak_of(METHODS[name], copy.deepcopy(model), batches) for _ in range(repeats))
+                 for name in methods}
         out.append(peaks)
     return out
 

@@ -1,5 +1,5 @@
 """The estimators compared, the float64 reference they are measured against, and one case's
-evaluation: every method's errors and its time over the forward's.
+evaluation: every method's errors and its time over the forward's, and where extra time goes.
 """
 from __future__ import annotations
 
@@ -10,21 +10,22 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import precise_bn
-from precise_bn.errors import PreciseBNWarning
 from cases import Batches, Case, bn_layers
-from common import FLOOR, REPO, Timing, fmt_err, markdown_table, time_ratios
+from common import FLOOR, REPO, Timing, eager_sums, fmt_err, markdown_table, time_ratios
 
 sys.path.insert(0, str(REPO / "tests"))
-from reference import assert_close_default, assert_close_exact  # noqa: E402  (the core's bounds)
+from reference import assert_close_exact  # noqa: E402  (the promise)
 
 Method = Callable[[nn.Module, Batches], Any]
+#: The default pass with the float64 sums as eager operators (what compiling them saves).
+EAGER = "precise-bn, eager sums"
 Stats = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -39,8 +40,10 @@ def precise_default(model: nn.Module, batches: Batches) -> None:
     precise_bn.recompute(model, batches, progress=False)
 
 
-def precise_exact(model: nn.Module, batches: Batches) -> None:
-    precise_bn.recompute(model, batches, exact=True, progress=False)
+def precise_eager(model: nn.Module, batches: Batches) -> None:
+    """The default pass with the eager float64 sums, whatever this process compiled."""
+    with eager_sums():
+        precise_bn.recompute(model, batches, progress=False)
 
 
 def fvcore_update(model: nn.Module, batches: Batches) -> None:
@@ -105,7 +108,7 @@ def momentum_one_average(model: nn.Module, batches: Batches, caffe2_formula: boo
 METHODS: Dict[str, Method] = {
     FLOOR: plain_forward,
     "precise-bn": precise_default,
-    "precise-bn exact": precise_exact,
+    EAGER: precise_eager,
     "fvcore": fvcore_update,
     "swa_utils.update_bn": swa_utils_update,
     "pycls/mmpretrain": momentum_one_average,
@@ -148,19 +151,18 @@ def float64_reference(model: nn.Module, batches: Batches) -> Stats:
     return {name: (means[name], totals[name][2] / totals[name][0]) for name in means}
 
 
-def stat_errors(model: nn.Module, reference: Stats, exact_bound: bool = False) -> Dict[str, Any]:
+def stat_errors(model: nn.Module, reference: Stats) -> Dict[str, Any]:
     """How far ``model``'s BN buffers are from ``reference``, over all layers and channels.
 
     ``var_rel``: largest ``|var - ref| / ref``; ``mean_std``: largest ``|mean - ref| / ref_std``
     (channels with a reference variance of 0 are left out of both); ``bad``: channels whose
     variance came out <= 0 or NaN although the reference is positive; ``within``: whether every
-    layer meets the core's bound (``tests/reference.py``: the default path's, or with
-    ``exact_bound`` the exact path's).
+    layer keeps precise-bn's promise (``tests/reference.assert_close_exact``: the float64
+    statistics correctly rounded into the buffers' dtype).
     """
     var_rel = mean_std = 0.0
     bad = 0
     within = True
-    check = assert_close_exact if exact_bound else assert_close_default
     for name, module in bn_layers(model):
         ref_mean, ref_var = reference[name]
         mean, var = module.running_mean.double(), module.running_var.double()
@@ -171,20 +173,11 @@ def stat_errors(model: nn.Module, reference: Stats, exact_bound: bool = False) -
             mean_std = max(mean_std, float(err[live].nan_to_num(float("inf")).max()))
         bad += int((live & ~(var > 0)).sum())
         try:
-            # The buffers as stored (float32): the bounds allow for the rounding of the store.
-            check(module.running_mean, module.running_var, ref_mean, ref_var, name)
+            # The buffers as written: the promise allows for the rounding into their dtype.
+            assert_close_exact(module.running_mean, module.running_var, ref_mean, ref_var, name)
         except AssertionError:
             within = False
     return {"var_rel": var_rel, "mean_std": mean_std, "bad": bad, "within": within}
-
-
-def untrusted_layers(model: nn.Module, batches: Batches) -> Tuple[int, int]:
-    """How many of ``model``'s BN layers the default path names untrusted on ``batches`` (their
-    worst-case bound passes 1e-3; see ``precise_bn.pytorch.trust``), out of how many."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PreciseBNWarning)
-        report = precise_bn.recompute(copy.deepcopy(model), batches, progress=False)
-    return sum(1 for layer in report.layers if layer.untrusted), len(report.layers)
 
 
 def runs_on_copies(model: nn.Module, batches: Batches, methods: Iterable[str]) -> Dict[str, Callable[[], Any]]:
@@ -216,9 +209,7 @@ def evaluate_case(case: Case, methods: Sequence[str], reps: int, min_seconds: fl
         if name != FLOOR:
             result = copy.deepcopy(model)
             METHODS[name](result, batches)
-            errors[name] = stat_errors(result, reference, exact_bound=name == "precise-bn exact")
-    if "precise-bn" in errors:
-        errors["precise-bn"]["untrusted_layers"] = untrusted_layers(model, batches)
+            errors[name] = stat_errors(result, reference)
     runs = runs_on_copies(model, batches, [FLOOR] + [m for m in methods if m != FLOOR])
     timing = time_ratios(runs, reps, min_seconds=min_seconds, clock=clock) if reps else {}
     return CaseResult(case, case.describe(model), timing, errors)
@@ -238,8 +229,8 @@ def time_table(results: Sequence[CaseResult], methods: Sequence[str], clock: str
         "Time ({}) of each method over that of the plain train-mode forward under `no_grad` on the "
         "same batches: median of the per-repetition ratios (`reps` of them), each ratio against a "
         "floor run timed right next to the method's run (before it on even repetitions, after it "
-        "on odd ones; methods in rotated order), after one untimed warm-up (min-max of the ratios "
-        "in parentheses). A call includes everything the function does once per call (finding "
+        "on odd ones; methods in rotated order), after one untimed warm-up and the compile of the "
+        "float64 sums it measured (steady state; min-max of the ratios in parentheses). A call includes everything the function does once per call (finding "
         "the layers, snapshot and restore of buffers, the report). 1-minute load average when the "
         "table was written: {:.2f} on {} logical cores.\n\n".format(clock, os.getloadavg()[0], os.cpu_count())
         + markdown_table(["model", "floor (ms/batch)", "reps"] + others, rows)
@@ -250,8 +241,7 @@ def error_table(results: Sequence[CaseResult]) -> str:
     """Every method's errors in ``results``, one row per case, data and method, explained."""
     rows = [
         [r.case.model, r.case.data, m, fmt_err(e["var_rel"]), fmt_err(e["mean_std"]), e["bad"],
-         "yes" if e["within"] else "**no**",
-         "{} of {}".format(*e["untrusted_layers"]) if "untrusted_layers" in e else "-"]
+         "yes" if e["within"] else "**no**"]
         for r in results
         for m, e in r.errors.items()
     ]
@@ -259,15 +249,61 @@ def error_table(results: Sequence[CaseResult]) -> str:
         "Largest errors of the written buffers against a float64 two-pass reference of every BN "
         "input, over all layers and channels: relative variance error, mean error in units of "
         "the channel's std, channels whose variance came out <= 0 or NaN, and whether every layer "
-        "is within the core's bound (`tests/reference.py`, applied to the float32 buffers as "
-        "written: the default path's bound for every method, the exact path's for "
-        "`precise-bn exact`, which measures every call in float64); for the default path, how many BN "
-        "layers it named untrusted (a worst-case bound on the kernel's float32 statistics passes 1e-3). `shifted`: the first BN layer's input "
+        "keeps precise-bn's promise, checked for every method alike (`tests/reference.assert_close_exact` "
+        "applied to the buffers as written: the float64 statistics within 1e-7, correctly rounded "
+        "into the buffers' dtype, a dead channel exactly 0). `shifted`: the first BN layer's input "
         "channels have means 1e2..1e4 times their std; there, storing a mean of 1e4 std in a "
         "float32 buffer alone moves it by up to 1e4 x 2^-24 = 6e-4 std, whatever the method.\n\n"
         + markdown_table(
-            ["model", "data", "method", "max rel var err", "max mean err (std)", "var <= 0 / NaN", "within bound",
-             "untrusted layers"],
+            ["model", "data", "method", "max rel var err", "max mean err (std)", "var <= 0 / NaN",
+             "within the promise"],
             rows,
+        )
+    )
+
+
+def extra_time_by_op(result: CaseResult, method: str, reps: int = 3, rows: int = 8, clock: str = "wall-clock") -> str:
+    """Where ``method``'s extra time over the floor goes, on ``result``'s case, as markdown.
+
+    torch.profiler over ``reps`` alternating runs of the method and of the floor keeps, per
+    operator, the smallest self CPU time over the runs; the operators that grew most are listed
+    (a compiled region's own loop counts as that region's self time). The extra time of the
+    timing table (``clock`` says which) minus the net extra in operators is time spent in
+    Python outside any operator: the capture's per-call bookkeeping and per-run setup.
+    """
+    case = result.case
+    model, batches = case.build()
+    calls = case.batches * len(bn_layers(model))
+    totals: List[Dict[str, Tuple[float, int]]] = [{}, {}]
+    for name in (FLOOR, method):
+        METHODS[name](copy.deepcopy(model), batches)  # warm-up
+    for _ in range(reps):
+        for name, total in zip((FLOOR, method), totals):
+            run = copy.deepcopy(model)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                METHODS[name](run, batches)
+            for e in prof.key_averages():
+                total[e.key] = (min(total.get(e.key, (float("inf"), 0))[0], e.self_cpu_time_total), e.count)
+    floor, other = totals
+    extra = {k: (other[k][0] - floor.get(k, (0, 0))[0]) / 1e3 for k in other}  # ms
+    in_ops = sum(extra.values())
+    wall = 1e3 * (result.timing[method].seconds - result.timing[FLOOR].seconds)
+    table = markdown_table(
+        ["operator", "extra self CPU (ms)", "per BN call (us)", "calls (method / floor)"],
+        [
+            ["`{}`".format(k), "{:.1f}".format(extra[k]), "{:.1f}".format(1e3 * extra[k] / calls),
+             "{} / {}".format(other[k][1], floor.get(k, (0, 0))[1])]
+            for k in sorted(extra, key=extra.get, reverse=True)[:rows]
+        ],
+    )
+    return (
+        "Profile of `{m}` on {model} ({b} batches x {l} BN layers = {c} BN calls per run). "
+        "Extra {k} time over the floor (timing table): {w:.1f} ms per run, {wc:.1f} us per BN "
+        "call. Net extra self CPU time in operators (smallest of {r} profiled runs per "
+        "operator): {o:.1f} ms ({oc:.1f} us per call). The rest, {p:.1f} ms ({pc:.1f} us per "
+        "call), is Python outside any operator. Operators that grew most:\n\n{t}".format(
+            m=method, k=clock, model=case.model, b=case.batches, l=calls // case.batches, c=calls, w=wall,
+            wc=1e3 * wall / calls, r=reps, o=in_ops, oc=1e3 * in_ops / calls, p=wall - in_ops,
+            pc=1e3 * (wall - in_ops) / calls, t=table,
         )
     )

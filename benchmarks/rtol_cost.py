@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cases import Case
-from common import FLOOR, time_ratios
+from common import FLOOR, settle, time_ratios
 from precise_bn import recompute
 from precise_bn.data import count_samples, smart_forward
 from precise_bn.distributed import Ranks
@@ -104,6 +104,8 @@ def _rank(rank: int, world: int, port: int, case: Case, reps: int, out: str) -> 
             if rep:
                 ratios.append(seconds["with rtol"] / seconds[FLOOR])
                 plain_seconds.append(seconds[FLOOR])
+            else:
+                settle()
         check = check_ms(Case(**dict(vars(case), seed=case.seed + rank)), NEVER_MET, Ranks(True).gather_stats)
         if rank == 0:
             torch.save({"ratios": ratios, "seconds": plain_seconds, "check_ms": check}, out)

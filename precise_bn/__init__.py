@@ -28,20 +28,21 @@ from .errors import (
 #: Names imported on first use, by module: ``import precise_bn`` (and so the ``precise-bn``
 #: command's start) does not wait for torch until something needs it.
 _LAZY = {
-    "recompute": ".api", "recalibrated": ".api", "update_bn": ".api", "update_bn_stats": ".api",
+    "recompute": ".api", "recalibrated": ".api", "update_bn": ".api", "update_bn_stats": ".api", "check": ".api",
     "PopulationStats": ".estimator", "BatchNormHelper": ".helper", "PreciseBNHook": ".hooks",
     "Options": ".options", "get_bn_modules": ".pytorch.layers", "select_layers": ".pytorch.layers",
-    "BNReport": ".report", "LayerReport": ".report",
+    "BNReport": ".report", "LayerReport": ".report", "CheckReport": ".staleness",
 }
 
 if TYPE_CHECKING:
-    from .api import recalibrated, recompute, update_bn, update_bn_stats
+    from .api import check, recalibrated, recompute, update_bn, update_bn_stats
     from .estimator import PopulationStats
     from .helper import BatchNormHelper
     from .hooks import PreciseBNHook
     from .options import Options
     from .pytorch.layers import get_bn_modules, select_layers
     from .report import BNReport, LayerReport
+    from .staleness import CheckReport
 
 
 def __getattr__(name: str) -> Any:
@@ -60,6 +61,7 @@ __all__ = [
     "BackendUnavailableError",
     "BatchError",
     "BatchNormHelper",
+    "CheckReport",
     "CheckpointError",
     "ConfigError",
     "DistributedError",
@@ -75,6 +77,7 @@ __all__ = [
     "UndoError",
     "UnsafeCheckpointError",
     "__version__",
+    "check",
     "get_bn_modules",
     "recalibrated",
     "recompute",

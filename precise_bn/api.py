@@ -1,13 +1,15 @@
-"""The entry points for PyTorch models: :func:`recompute`, and the fvcore and swa_utils drop-ins.
+"""The entry points for PyTorch models: :func:`recompute`, the fvcore and swa_utils drop-ins, and
+:func:`check`.
 
-All three run :func:`recalibrate_module`; they differ only in how a batch reaches the model and in
-the defaults their originals have (see the table of differences in docs/dropins.md).
+All run :func:`recalibrate_module`; they differ only in how a batch reaches the model and in
+the defaults their originals have (see the table of differences in docs/dropins.md); ``check``
+measures without writing and judges the stored statistics (:mod:`precise_bn.staleness`).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -15,11 +17,12 @@ from torch import nn
 from . import driver
 from .data import move_to_device, smart_forward, whole_batch_forward
 from .options import (DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec,
-                      Options, as_device)
+                      Options, as_device, check_names)
 from .pytorch.bn_pass import BNPass
 from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
 from .signals import all_or_nothing
+from .staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, CheckReport, Rule, judge
 
 
 @all_or_nothing
@@ -147,13 +150,14 @@ def recalibrate_module(
     budget_name: str = "num_batches",
     on_write: Optional[Callable[[BNReport], Any]] = None,
     explain_batches: Optional[bool] = None,
+    write: bool = True,
 ) -> BNReport:
     """Recalibrate ``model`` on ``data`` with ``opts`` (see :func:`precise_bn.driver.recalibrate`);
     ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None.
     ``explain_batches``: turn a batch the model refuses into a BatchError (default: when the
     batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the
     default forward in its own says so). The report keeps the pass's snapshot, taken in the
-    all-or-nothing call that writes, for ``report.undo()``."""
+    all-or-nothing call that writes, for ``report.undo()``; ``write=False`` only measures."""
     made: List[BNPass] = []
 
     def make_backend() -> BNPass:
@@ -169,7 +173,33 @@ def recalibrate_module(
         if on_write is not None:
             on_write(report)
 
-    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=written)
+    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=written, write=write)
+
+
+def check(
+    model: nn.Module,
+    data: Iterable[Any],
+    *,
+    tolerance: Tuple[float, float] = DEFAULT_TOLERANCE,
+    alpha: float = DEFAULT_ALPHA,
+    **options: Any,
+) -> CheckReport:
+    """Do ``model``'s stored BN statistics fit ``data``? Measures as :func:`recompute` does, with
+    the same ``**options`` (all but ``prior``), and writes nothing: the model is left bit for bit
+    as it was, its buffers the same tensor objects.
+
+    A layer is stale when some channel's stored mean or variance differs from the measured one
+    by more than ``tolerance`` (``(mean in std units, variance relative)``) and by more than
+    sampling explains, at a family-wise false-alarm level ``alpha`` over every channel of the
+    model (:mod:`precise_bn.staleness`, docs/check.md). ``report.stale`` names the stale layers
+    (empty when every layer fits); ``print(report)`` shows the drifts and their significance.
+    """
+    rule = Rule(tolerance, alpha)
+    if "prior" in options:
+        raise TypeError("check() takes no prior: it compares the stored statistics with the data's own "
+                        "(prior pools them in what recompute writes)")
+    check_names("check", options, list(OPTION_FIELDS), ("tolerance", "alpha"))
+    return judge(recalibrate_module(model, data, Options(**options), write=False), rule)
 
 
 def recalibrated(model: nn.Module, data: Iterable[Any], **options: Any) -> ContextManager[BNReport]:

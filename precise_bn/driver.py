@@ -264,11 +264,13 @@ def recalibrate(
     budget_name: str = "num_batches",
     on_write: Optional[Callable[[BNReport], Any]] = None,
     label: str = "precise-bn",
+    write: bool = True,
 ) -> BNReport:
     """One recalibration, on any backend: build it, measure, report, write.
 
     ``on_write(report)`` runs right after the new statistics are written (the step cache
-    stores them there); if it raises, the write is undone. With several ranks, any exception
+    stores them there); if it raises, the write is undone. ``write=False`` measures and
+    reports only: the model is left as it was (``precise_bn.check``). With several ranks, any exception
     on one rank, from building the backend (layer selection) to the report, makes every other
     rank raise :class:`~precise_bn.DistributedError`; no rank writes unless all can.
     """
@@ -290,6 +292,8 @@ def recalibrate(
             ranks.finish()
             return BNReport(world_size=ranks.world, estimator=backend.estimator)
         results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
+        if not write:
+            return report
         backend.finish(results)
         if on_write is not None:
             on_write(report)
@@ -308,7 +312,7 @@ def recalibrate(
 def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks, budget_name: str, label: str,
              started: float) -> Tuple[List[Optional[Stats]], BNReport]:
     """The pass, the merge, the report and every warning; a last round says every rank got here."""
-    logger.info("%s: recomputing %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
+    logger.info("%s: measuring %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.estimator)
     old = backend.old_stats()
     planned = planned_batches(data, opts.num_batches)

@@ -110,56 +110,6 @@ class CallGroup:
         return [CallGroup(self.count, self.calls, self.weight, *part) for part in parts]
 
 
-#: Float64 values of ``y`` formed at a time by :func:`shifted_moments`: a chunk this size stays in
-#: the CPU's cache between being written and being summed, which halves the measurement's cost
-#: next to forming the whole of ``y`` first.
-SHIFT_CHUNK = 1 << 15
-
-
-def shift_buffer_size(by_channel: torch.Tensor) -> int:
-    """The float64 values :func:`shifted_moments` needs in its ``buffer`` for ``by_channel``:
-    :data:`SHIFT_CHUNK`, or one sample's values (the second axis) when they are more, never more
-    than the whole."""
-    return min(by_channel.numel(), max(SHIFT_CHUNK, by_channel[:, :1].numel()))
-
-
-def shifted_moments(
-    by_channel: torch.Tensor,
-    shift: torch.Tensor,
-    buffer: torch.Tensor,
-    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Float64 mean and biased variance of each channel of ``by_channel`` (channels on the first
-    axis, samples on the second, any layout), measured around ``shift`` (float64, one value per
-    channel), into ``out`` when given.
-
-    Why this is exact whatever the data. ``y = x - shift`` is formed in float64 (``buffer``, of
-    at least :func:`shift_buffer_size` elements, overwritten), so each ``y`` is exact: a float32
-    ``x`` and a float32-representable ``shift`` differ by at most 53 significant bits. Its row
-    sums ``s1`` and sums of squares ``s2`` are float64 reductions (relative error of order
-    ``log2(n) * 2**-53``). With ``shift`` a batch mean, even a float32 one, ``y`` is of the order
-    of the channel's std: the sums do not cancel even when mean/std = 1e4,
-    ``var = (s2 - s1^2 / n) / n`` subtracts a term that is tiny next to ``s2``, and a constant
-    channel gives exactly 0. ``y`` is formed a few samples (the second axis) at a time, so that
-    it is summed while still in cache.
-    """
-    channels, samples = by_channel.shape[0], by_channel.shape[1]
-    n = by_channel.numel() // max(channels, 1)
-    shift_view = shift.view([-1] + [1] * (by_channel.dim() - 1))
-    step = max(1, SHIFT_CHUNK // max(by_channel[:, :1].numel(), 1))
-    s1 = torch.zeros(channels, dtype=torch.float64, device=by_channel.device)
-    s2 = torch.zeros_like(s1)
-    for start in range(0, samples, step):
-        part = by_channel[:, start:start + step]
-        rows = torch.sub(part, shift_view, out=buffer[: part.numel()].view(part.shape)).view(channels, -1)
-        s1.add_(rows.sum(1))
-        s2.add_(torch.linalg.vector_norm(rows, dim=1).square_())
-    mean_out, var_out = out if out is not None else (None, None)
-    mean = torch.add(shift, s1, alpha=1.0 / n, out=mean_out)
-    var = torch.addcmul(s2, s1, s1, value=-1.0 / n, out=var_out).clamp_(min=0).div_(n)
-    return mean, var
-
-
 def combine_calls(
     means: torch.Tensor,
     variances: torch.Tensor,

@@ -12,6 +12,7 @@ works, eager float64 operators give the same numbers within float64 rounding, sl
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -188,6 +189,7 @@ class Kernels:
         self._lock = threading.Lock()
         self.failures: List[str] = []
         self._on = False
+        self._closing = False
 
     def sums(self, form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         key = (form, x.dtype, shift.dtype, x.device.type, _autocast_on(x.device.type))
@@ -243,13 +245,21 @@ class Kernels:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="precise-bn compile", daemon=True)
                 self._thread.start()
+                atexit.register(self._close)
         self._queue.put(key)
+
+    def _close(self) -> None:
+        """At exit: wait for the compile under way and drop the others. A compile left running
+        while the interpreter and torch shut down crashes the process."""
+        self._closing = True
+        self.wait()
 
     def _work(self) -> None:
         while True:
             key = self._queue.get()
             try:
-                self._compile(key)
+                if not self._closing:
+                    self._compile(key)
             except Exception as exc:  # any failure leaves the eager path, which is always right
                 self._fail("{}: {}".format(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
             finally:

@@ -144,6 +144,16 @@ def fails_on_rank_1() -> List[Tuple[torch.Tensor, torch.Tensor]]:
     return batches()
 
 
+def digit_shard() -> List[torch.Tensor]:
+    """Rank r's share of the first 24 bundled digits under torchrun: digits 12r to 12r + 11,
+    in batches of 4 (the whole 24 in one process)."""
+    from precise_bn.digits import load_digits
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    share = load_digits()[0][:24].chunk(world)[rank]
+    return list(share.split(4))
+
+
 def terminated_batches() -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """SIGTERM while the second batch is read; refuses to send it where it would kill the process."""
     import signal

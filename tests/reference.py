@@ -74,15 +74,20 @@ def ulp32(x: torch.Tensor) -> torch.Tensor:
     return ulp(x, torch.float32)
 
 
+def exact_tolerance(ref_mean, ref_var, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The promise's per-channel tolerance on a mean and a variance stored in ``dtype``: 1e-7
+    (the mean in units of the std, the variance relative) plus half a unit in the last place of
+    ``dtype`` at the reference value (none for float64)."""
+    half = (lambda v: 0.5 * ulp(v, dtype)) if dtype != torch.float64 else (lambda v: torch.zeros_like(v))
+    return 1e-7 * ref_var.sqrt() + half(ref_mean), 1e-7 * ref_var + half(ref_var)
+
+
 def assert_close_exact(mean, var, ref_mean, ref_var, what: str = "") -> None:
     """The promise: the float64 population statistics, within 1e-7 (the mean in units of the
     std, the variance relative), correctly rounded to the dtype of ``mean``/``var`` (half a unit
     in its last place more; none for float64). A dead channel is exactly 0."""
-    dtype = var.dtype
-    half = (lambda v: 0.5 * ulp(v, dtype)) if dtype != torch.float64 else (lambda v: torch.zeros_like(v))
+    mean_tol, var_tol = exact_tolerance(ref_mean, ref_var, var.dtype)
     mean, var = mean.double().cpu(), var.double().cpu()
-    mean_tol = 1e-7 * ref_var.sqrt() + half(ref_mean)
-    var_tol = 1e-7 * ref_var + half(ref_var)
     _check(mean, var, ref_mean, ref_var, mean_tol, var_tol, what)
 
 

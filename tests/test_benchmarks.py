@@ -1,11 +1,12 @@
 """The benchmark scripts run end to end in quick mode, in this process, and their shared pieces
 measure what they claim (the incumbents' estimators, the streaming float64 reference, the
-RESULTS.md sections).
+RESULTS.md sections, the attack's unit of error, the switch to the eager float64 sums).
 
 Nothing here asserts a timing: the quick runs only prove that the scripts cannot rot.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,26 +15,40 @@ import torch
 from torch import nn
 
 from precise_bn import recalibrated
-from reference import float64_reference
+from reference import assert_close_exact, exact_tolerance, float64_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import budget  # noqa: E402
 import calibration  # noqa: E402
+import check as check_study  # noqa: E402
 import common  # noqa: E402
 import compare  # noqa: E402
+import cost  # noqa: E402
 import demo_seeds  # noqa: E402
 import exact_attack  # noqa: E402
-import exact_cost  # noqa: E402
+import fresh_process  # noqa: E402
 import interleaved  # noqa: E402
 import methods  # noqa: E402
 import overhead  # noqa: E402
+from precise_bn import moments  # noqa: E402
+from precise_bn.pytorch import bn_pass  # noqa: E402
 
 pytestmark = pytest.mark.main_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved, "budget": budget,
-            "exact": exact_cost, "attack": exact_attack, "demo": demo_seeds}
+            "cost": cost, "attack": exact_attack, "demo": demo_seeds, "fresh process": fresh_process}
+
+
+@pytest.fixture
+def own_kernels(monkeypatch):
+    """A Kernels of the test's own, so that what the benchmarks compile does not change how the
+    rest of the suite measures."""
+    kernels = moments.Kernels()
+    monkeypatch.setattr(moments, "KERNELS", kernels)
+    monkeypatch.setattr(bn_pass, "KERNELS", kernels)
+    return kernels
 
 
 def test_the_calibration_study_runs_quick_and_writes_its_page(tmp_path):
@@ -41,7 +56,15 @@ def test_the_calibration_study_runs_quick_and_writes_its_page(tmp_path):
     text = (tmp_path / "CALIBRATION.md").read_text(encoding="utf-8")
     assert all("| {} |".format(kind) in text for kind in calibration.KINDS) and "| 0.3 |" in text
 
-def test_every_script_runs_quick_and_writes_its_own_section(tmp_path):
+def test_the_check_study_runs_quick_and_writes_its_page(tmp_path):
+    check_study.main(["--quick", "--out", str(tmp_path)])
+    text = (tmp_path / "CHECK.md").read_text(encoding="utf-8")
+    assert "Command: `python " in text and " --quick --out " in text
+    for row in ("| pruned conv 6 | 7, 11 |", "| noisy conv 0 |", "| 1 | ", "| Holm, alpha 0.01 |", "| log var ratio |"):
+        assert row in text, row
+
+
+def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernels):
     threads = torch.get_num_threads()
     try:
         for script in SECTIONS.values():
@@ -56,8 +79,15 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path):
     for method in methods.METHODS:
         assert "| {} |".format(method) in text
     assert "| seed | EMA accuracy |" in text and "Over 2 seeds" in text
-    for variant in ("| identical |", "| empty hook |", "| capture |", "| rtol=0.01 |", "| 1 process |"):
+    for variant in ("| identical |", "| empty hook |", "| capture |", "| rtol=0.01 |", "| 1 process |",
+                    "| 32x32, batch 2 | warm | 1 |", "| 32x32, batch 2 | cold | 1 |"):
         assert variant in text
+    # cost.py reached the steady state: its second call measured nothing eagerly.
+    steady = [line for line in text.splitlines() if line.startswith("- steady state on bn_mlp: compiled ")]
+    assert len(steady) == 1 and "channels_last float32" in steady[0] and steady[0].endswith("**met**"), steady
+    assert "- every case ran and every written channel is within the promise, compiled sums (0 outside, 0 raised): **met**" in text
+    assert "- the compiled runs measured every call with the compiled sums: **met**" in text
+    assert own_kernels.ready and not own_kernels.failures
     for png in ("scaling.png", "memory.png", "budget.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
 
@@ -141,3 +171,39 @@ def test_robustas_mixing_in_the_shift_benchmark_is_what_it_is_described_as():
         target = float64_reference(model, batches)["0"]
         assert torch.allclose(model[0].running_mean.double(), 0.25 * 1.0 + 0.75 * target[0], rtol=1e-6)
         assert torch.allclose(model[0].running_var.double(), 0.25 * 2.0 + 0.75 * target[1], rtol=1e-6)
+
+
+def test_the_attack_counts_errors_in_units_of_the_promises_tolerance():
+    ref_mean = torch.tensor([1e4, 3.0, 0.0, 5.0], dtype=torch.float64)
+    ref_var = torch.tensor([4.0, 1e-6, 2.0, 0.0], dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        mean_tol, var_tol = exact_tolerance(ref_mean, ref_var, dtype)
+        mean = ref_mean + torch.tensor([0.5, 2.0, 0.9, 0.0], dtype=torch.float64) * mean_tol
+        var = ref_var + torch.tensor([0.25, 0.5, 3.0, 0.0], dtype=torch.float64) * var_tol
+        got = exact_attack.in_tolerance_units(mean, var, ref_mean, ref_var, dtype)
+        torch.testing.assert_close(got, torch.tensor([0.5, 2.0, 3.0, 0.0], dtype=torch.float64), rtol=1e-4, atol=0)
+    # In float64 (no rounding of the store) a ratio within 1 is what the suite's check accepts.
+    for c in range(4):
+        try:
+            assert_close_exact(mean[c:c + 1], var[c:c + 1], ref_mean[c:c + 1], ref_var[c:c + 1])
+            accepted = True
+        except AssertionError:
+            accepted = False
+        assert accepted == bool(got[c] <= 1), c
+    # A dead channel whose variance is not exactly 0 breaks the promise however small it is.
+    dead = exact_attack.in_tolerance_units(ref_mean, torch.tensor([4.0, 1e-6, 2.0, 1e-30], dtype=torch.float64),
+                                           ref_mean, ref_var, torch.float32)
+    assert dead[3] == float("inf") and (dead[:3] == 0).all()
+
+
+def test_eager_sums_measure_eagerly_and_put_everything_back(own_kernels, monkeypatch):
+    monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
+    model = nn.Sequential(nn.BatchNorm2d(4))
+    batches = _bn_only_batches()
+    with common.eager_sums() as kernels:
+        assert moments.KERNELS is kernels and kernels is not own_kernels
+        assert os.environ["PRECISE_BN_COMPILE"] == "never"
+        methods.precise_default(model, batches)
+        assert kernels.eager_elements == sum(x.numel() for x in batches) and not kernels.ready
+    assert moments.KERNELS is own_kernels and own_kernels.eager_elements == 0
+    assert os.environ["PRECISE_BN_COMPILE"] == "auto"

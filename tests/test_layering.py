@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 LAYERS = [
     ["errors", "_version", "signals", "atomic", "digits", "rng", "tails"],
     ["options", "estimator", "slices", "moments", "buffers"],
-    ["data", "reader", "distributed", "report", "snapshot", "precision"],
+    ["data", "reader", "distributed", "report", "snapshot", "precision", "staleness"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],
     ["api", "caffe2.backend"],

@@ -412,7 +412,7 @@ def test_progress_bar_and_logging(caplog, capsys):
     with caplog.at_level("INFO", logger="precise_bn"):
         recompute(model, batches, num_batches=4, progress=False, log_period=2)
     text = caplog.text
-    assert "recomputing 1 BatchNorm layer " in text and "s/batch" in text and "4 batches" in text
+    assert "measuring 1 BatchNorm layer " in text and "s/batch" in text and "4 batches" in text
     assert capsys.readouterr().err == ""
     # The bar's total is what will really be read: the loader's length, not a larger budget.
     recompute(model, batches, num_batches=200, progress=True)

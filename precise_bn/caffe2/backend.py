@@ -1,33 +1,21 @@
-"""The Caffe2 backend: run the aux net, read its SpatialBN batch stats, feed the result per device.
+"""The Caffe2 backend: run the aux net, measure its SpatialBN inputs, feed the result per device.
 
 How it works, and why:
 
-* Caffe2's ``SpatialBN`` in train mode saves each call's batch mean in ``{layer}_bn_sm`` and
-  ``1 / sqrt(var + eps)`` in ``{layer}_bn_siv`` (``var`` biased). After each run of the aux net
-  (:mod:`precise_bn.caffe2.net`) we read, for every device ``{prefix}_{i}/`` and layer, those
-  two blobs and the element count per channel of the layer's input (batch x spatial positions).
-* ``var`` is recovered as ``1 / siv^2 - eps`` in float64
-  (:func:`~precise_bn.caffe2.stats.decode_saved_stats`), and every
-  (device, iteration) batch is merged with Chan's formula weighted by its true element count:
-  devices with different batch sizes count for what they saw, the spread of batch means is
-  kept, and a dead channel ends at exactly 0.
-* The merged mean and variance are fed as float32 ``{layer}_bn_rm`` / ``{layer}_bn_riv`` to
-  every device under the device option of that device's SpatialBN op (``_bn_riv`` holds a
-  variance despite its name), so all devices hold identical bits.
-* Caffe2's CPU kernel computes the batch variance as ``E[x^2] - E[x]^2`` in float32. When a
-  channel's mean is large next to its std this cancels: the saved variance loses digits
-  (:func:`~precise_bn.caffe2.stats.untrusted_channels` names the channels where it may be off
-  by more than ``UNTRUSTED_RTOL``, in a :class:`PreciseBNWarning` and in
-  ``LayerReport.untrusted``), or
-  falls below ``-eps`` and the saved inverse std is NaN, which raises
-  :class:`NonFiniteStatsError` naming layer, device and iteration; the running stats are then
-  restored as they were before the pass (train-mode SpatialBN also updates them in place).
-* ``exact=True`` shifts each SpatialBN's input by its float32 batch mean ``c`` inside the aux
-  net (:func:`precise_bn.caffe2.net.forward_only_net`: the kernel no longer cancels, so later
-  layers see accurate activations too), then reads, for every device and run, the shifted input
-  blob and measures it in float64 shifted again by the kernel's batch mean of it
-  (:func:`~precise_bn.caffe2.stats.measure_input`), as the PyTorch exact path does; the mean is ``c`` plus the measured
-  one. Nothing cancels, whatever the mean, and the kernel's variance is not used at all.
+* After each run of the aux net (:mod:`precise_bn.caffe2.net`, which keeps every SpatialBN input
+  alive until then) every device's input of every layer is read (on the CPU without a copy) and
+  measured in float64 (:func:`~precise_bn.caffe2.stats.measure_input`): Caffe2's kernel forms a
+  call's variance as ``E[x^2] - E[x]^2`` in float32, which cancels when a channel's mean is large
+  next to its std, so its saved statistics are never what is written.
+* Every (device, iteration) call is merged with Chan's formula weighted by its true element
+  count, a block of calls at a time: devices with different batch sizes count for what they
+  saw, the spread of batch means is kept, and a dead channel ends at exactly 0.
+* The merged mean and variance, rounded to nearest float32, are fed as ``{layer}_bn_rm`` /
+  ``{layer}_bn_riv`` to every device under the device option of that device's SpatialBN op
+  (``_bn_riv`` holds a variance despite its name), so all devices hold identical bits.
+* An input holding NaN or Inf raises :class:`NonFiniteStatsError` naming layer, device and
+  iteration, and any earlier layer whose float32 kernel cancelled into NaN; the running stats
+  are then restored as they were before the pass (train-mode SpatialBN updates them in place).
 
 The pass itself (budget, progress, ranks, report, writing last) is the shared driver's
 (:mod:`precise_bn.driver`), as for PyTorch models.
@@ -46,12 +34,12 @@ import torch
 from ..data import CyclingBatches
 from ..driver import recalibrate
 from ..errors import ConfigError, LayerError, NonFiniteStatsError
-from ..estimator import PopulationStats, shift_buffer_size
+from ..estimator import PopulationStats, combine_calls
 from ..options import Options
 from ..report import BNReport
 from ..signals import all_or_nothing, write
 from .net import BNBlobs, device_option, devices_of_net, find_bn_layers, forward_only_net, import_caffe2
-from .stats import decode_saved_stats, measure_input, untrusted_channels
+from .stats import CHUNK, measure_input
 
 logger = logging.getLogger("precise_bn")
 
@@ -70,17 +58,19 @@ class Caffe2AuxModel:
         data: optional iterable of ``{blob name: ndarray}`` fed before each run (re-iterated when
             it runs out); None for nets with their own reader ops.
         settings: the helper's settings (``num_gpus``, ``root_gpu_id``, ``device_prefix``,
-            ``bn_epsilon``). ``siv`` is undone with the epsilon each op's kernel used (its
+            ``bn_epsilon``). Each layer reports the epsilon its op normalises with (its
             ``epsilon`` argument, else Caffe2's 1e-5); a ``bn_epsilon`` that differs from it is
             logged as a warning, since the config then disagrees with the net.
-        opts: the pass's options (``num_batches`` is the helper's ``iters``).
+        opts: the pass's options (``num_batches`` is the helper's ``iters``; ``exact`` changes
+            nothing: every call is measured in float64).
     """
 
     def __init__(self, model: Any, data: Optional[Iterable[Feeds]], settings: Dict[str, Any], opts: Options):
-        _, self.workspace, _ = import_caffe2()
+        _, self.workspace, caffe2_pb2 = import_caffe2()
+        self._cpu = caffe2_pb2.CPU
         self.opts = opts
         self.batches: Iterator[Any] = CyclingBatches(data) if data is not None else itertools.repeat(None)
-        self.net = forward_only_net(model, channels=self._channels if opts.exact else None)
+        self.net = forward_only_net(model)
         self.devices = devices_of_net(self.net, settings)
         self.layers = find_bn_layers(self.net, self.devices)
         self._check_epsilon(float(settings["bn_epsilon"]))
@@ -89,9 +79,6 @@ class Caffe2AuxModel:
         self._created = False
         logger.info("precise-bn (caffe2): aux net %r with %d ops, %d BatchNorm layers on %d device(s)",
                     self.net.name, len(self.net.op), len(self.layers), len(self.devices))
-
-    def _channels(self, scale_blob: str) -> int:
-        return int(self.workspace.FetchBlob(scale_blob).size) if self.workspace.HasBlob(scale_blob) else 0
 
     def _check_epsilon(self, bn_epsilon: float) -> None:
         # An op's epsilon argument is stored as float32: compare at that resolution.
@@ -134,6 +121,13 @@ class Caffe2AuxModel:
             self._created = True
         self.workspace.RunNet(self.net.name)
 
+    def fetch_input(self, b: BNBlobs) -> np.ndarray:
+        """The input of ``b``'s SpatialBN after a run: a view of the blob itself on the CPU (no
+        copy; valid until the next run), a copy on the host from any other device."""
+        if b.option.device_type == self._cpu:
+            return self.workspace.C.Workspace.current.create_blob(b.x).as_tensor().data
+        return self.workspace.FetchBlob(b.x)
+
     def snapshot(self) -> List[Tuple[BNBlobs, np.ndarray, np.ndarray]]:
         return [(b, self.workspace.FetchBlob(b.rm), self.workspace.FetchBlob(b.riv))
                 for blobs in self.layers.values() for b in blobs]
@@ -166,17 +160,18 @@ class _Caffe2Pass:
     """One pass of the driver over a :class:`Caffe2AuxModel` (see :class:`precise_bn.driver.Backend`)."""
 
     empty_reason = "the net has no SpatialBN layer"
+    estimator = "caffe2"
 
     def __init__(self, aux: Caffe2AuxModel):
         self.aux = aux
-        self.exact = aux.opts.exact
-        self.estimator = "caffe2-exact" if self.exact else "caffe2"
-        self._buffer: Optional[torch.Tensor] = None
         self.names = list(aux.layers)
         self.eps = [blobs[0].eps for blobs in aux.layers.values()]
         self.dtypes = [torch.float32] * len(self.names)
         fetch = aux.workspace.FetchBlob
         self.stats = [PopulationStats(fetch(blobs[0].rm).size, name=name) for name, blobs in aux.layers.items()]
+        self._rows = max(32, len(aux.devices))
+        self._calls = [_Calls(stats, self._rows) for stats in self.stats]
+        self._buffer = np.empty(CHUNK)
         self.iteration = 0
         self._snapshot = aux.snapshot()
 
@@ -203,68 +198,92 @@ class _Caffe2Pass:
         """Nothing to prepare: the Caffe2 backend compiles nothing."""
 
     def step(self, feeds: Optional[Feeds]) -> int:
-        """Feed, run and read every device's batch stats of every layer; return the samples."""
+        """Feed and run the net, then measure every device's input of every layer in float64
+        (:func:`~precise_bn.caffe2.stats.measure_input`); return the samples."""
         if feeds is not None:
             self.aux.feed(feeds)
         self.aux.run_net()
         self.iteration += 1
-        fetch = self.aux.workspace.FetchBlob
+        if max(len(calls.counts) for calls in self._calls) + len(self.aux.devices) > self._rows:
+            self.collect()
         samples = 0
-        for index, (stats, blobs) in enumerate(zip(self.stats, self.aux.layers.values())):
+        for index, (calls, blobs) in enumerate(zip(self._calls, self.aux.layers.values())):
             for b in blobs:
-                mean, var, count = self._read_exact(b) if self.exact else self._read_kernel(b)
-                stats.add_call(mean, var, count)
+                x = self.aux.fetch_input(b)
+                mean, var = calls.row()
+                count = measure_input(x, b.channel_axis, (mean, var), self._buffer)
+                if not math.isfinite(float(var.sum())):  # NaN or Inf anywhere in x makes var NaN
+                    self._refuse(b, var)
+                calls.add(count)
                 if index == 0:
-                    samples += int(fetch(b.shape)[0])
+                    samples += x.shape[0]
         return samples
 
-    def _refuse(self, b: BNBlobs, bad: np.ndarray, what: str) -> None:
+    def _refuse(self, b: BNBlobs, var: np.ndarray) -> None:
+        """Raise for a call whose input holds NaN or Inf, naming the layers before it whose kernel
+        cancelled on this device: their NaN output is what this layer read."""
+        fetch = self.aux.workspace.FetchBlob
+        before = self.names[:self.names.index(b.layer)]
+        cancelled = [name for name in before for a in self.aux.layers[name]
+                     if a.device == b.device and not _kernel_finite(fetch(a.siv))]
         raise NonFiniteStatsError(
-            "Caffe2 BatchNorm layer {!r} on device {!r}: {} in channels {} at iteration {} of {}; no stats were "
-            "fed and the running stats were restored".format(
-                b.layer, b.device or "<unscoped>", what, np.flatnonzero(bad)[:5].tolist(), self.iteration,
-                self.aux.opts.num_batches))
-
-    def _read_kernel(self, b: BNBlobs) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """The call's stats from the kernel's saved mean and inverse std."""
-        fetch = self.aux.workspace.FetchBlob
-        sm, siv, dims = fetch(b.sm), fetch(b.siv), fetch(b.shape).tolist()
-        bad = ~(np.isfinite(sm) & np.isfinite(siv) & (siv > 0))
-        if bad.any():
-            self._refuse(b, bad, "non-finite saved mean or inverse std (Caffe2's CPU SpatialBN computes the variance "
-                                 "as E[x^2]-E[x]^2 in float32, which falls below -epsilon when a channel's mean is "
-                                 "large next to its std; exact=True measures the input instead. NaN/Inf inputs do "
-                                 "the same)")
-        mean, var, _ = decode_saved_stats(sm, siv, b.eps)
-        return mean, var, math.prod(dims) // dims[b.channel_axis]
-
-    def _read_exact(self, b: BNBlobs) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """The call's stats measured from its shifted input blob in float64 (see
-        :func:`measure_input`); the shift ``c`` the net subtracted is added back exactly."""
-        fetch = self.aux.workspace.FetchBlob
-        x, sm, c = fetch(b.x), fetch(b.sm), fetch(b.shift).reshape(-1)
-        shift = np.where(np.isfinite(sm), sm, 0).astype(np.float32)
-        size = shift_buffer_size(torch.from_numpy(x).movedim(b.channel_axis, 0))
-        if self._buffer is None or self._buffer.numel() < size:
-            self._buffer = torch.empty(size, dtype=torch.float64)
-        mean, var, count = measure_input(x, shift, b.channel_axis, self._buffer)
-        mean += torch.from_numpy(c.astype(np.float64))
-        bad = ~torch.isfinite(mean + var).numpy()
-        if bad.any():
-            self._refuse(b, bad, "non-finite values in the input of the SpatialBN (blob {!r})".format(b.x))
-        return mean, var, count
-
-    untrusted_reason = "because Caffe2's float32 SpatialBN kernel computes E[x^2]-E[x]^2"
-
-    def untrusted(self, stats: Sequence[PopulationStats]) -> List[List[int]]:
-        """Channels whose kernel statistics cannot be trusted (:func:`untrusted_channels`);
-        none on the exact path."""
-        return [[] if self.exact else untrusted_channels(layer_stats) for layer_stats in stats]
+            "Caffe2 BatchNorm layer {!r} on device {!r}: NaN or Inf in its input (blob {!r}) in channels {} at "
+            "iteration {} of {}; no stats were fed and the running stats were restored{}".format(
+                b.layer, b.device or "<unscoped>", b.x, np.flatnonzero(~np.isfinite(var))[:5].tolist(),
+                self.iteration, self.aux.opts.num_batches, _cancelled_text(cancelled)))
 
     def collect(self) -> List[PopulationStats]:
+        """Merge the pending calls: the layers whose calls counted the same elements go through
+        one :func:`~precise_bn.estimator.combine_calls` together (a handful of operators for all
+        of them instead of for each), then each takes its channels' part."""
+        groups: Dict[Tuple[int, ...], List[_Calls]] = {}
+        for calls in self._calls:
+            if calls.counts:
+                groups.setdefault(tuple(calls.counts), []).append(calls)
+        for counts, members in groups.items():
+            means, variances = (torch.cat([calls.block[i, :len(counts)] for calls in members], dim=1) for i in (0, 1))
+            center = torch.cat([calls.stats.center_for(calls.block[0, 0]) for calls in members])
+            combined = combine_calls(means, variances, list(counts), center)
+            for calls, part in zip(members, combined.split([calls.stats.num_channels for calls in members])):
+                calls.stats.add(part)
+                calls.counts = []
         return self.stats
 
     def finish(self, results: Sequence[Optional[Stats]]) -> None:
+        """Feed every device the results rounded to nearest float32 (numpy's ``astype``)."""
         fed = [(b, result[0].numpy().astype(np.float32), result[1].numpy().astype(np.float32))
                for blobs, result in zip(self.aux.layers.values(), results) if result is not None for b in blobs]
         write(lambda: self.aux.restore(fed), lambda: self.aux.restore(self._snapshot))
+
+
+def _kernel_finite(siv: np.ndarray) -> bool:
+    return bool(np.all(np.isfinite(siv) & (siv > 0)))
+
+
+def _cancelled_text(layers: Sequence[str]) -> str:
+    if not layers:
+        return ""
+    return (". Before it, Caffe2's float32 SpatialBN kernel of {} cancelled (it computes E[x^2]-E[x]^2, which "
+            "falls below -epsilon when a channel's mean is large next to its std) and output NaN; the training "
+            "net's kernel does the same on this data: bring that layer's input closer to zero mean".format(
+                ", ".join(repr(name) for name in layers)))
+
+
+class _Calls:
+    """A layer's calls not merged yet: their float64 means and variances, one row each."""
+
+    def __init__(self, stats: PopulationStats, rows: int):
+        self.stats = stats
+        self.block = torch.empty(2, rows, stats.num_channels, dtype=torch.float64)
+        self.values = self.block.numpy()
+        self.counts: List[int] = []
+
+    def row(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Where the next call's mean and variance go."""
+        k = len(self.counts)
+        return self.values[0, k], self.values[1, k]
+
+    def add(self, count: int) -> None:
+        """Keep the row just written, for ``count`` elements per channel (nothing kept for 0)."""
+        if count:
+            self.counts.append(count)

@@ -2,28 +2,21 @@
 
 The aux net is the backward slice of the model's net from its SpatialBN inputs: only ops that
 contribute to some BN layer's input are kept, so gradient, loss-only and optimizer ops (and the
-head after the last BN layer) never run. Each SpatialBN runs in train mode (``is_test=0``), so
-it saves its batch mean in ``{layer}_bn_sm`` and ``1 / sqrt(var + eps)`` in ``{layer}_bn_siv``,
-and is followed by a ``Shape`` op on its input, so the element count per channel is read
-without copying an activation out of the workspace. Parameters are shared by blob name with the
-training net in the same workspace; nothing is initialised here.
+head after the last BN layer) never run. Each SpatialBN runs in train mode (``is_test=0``), as
+the training net's do. Parameters are shared by blob name with the training net in the same
+workspace; nothing is initialised here.
 
-For the exact path (``channels`` given) each SpatialBN gets its input shifted by its own float32
-batch mean: ``ReduceMean`` over every axis but the channel's gives ``c``, ``Sub`` forms
-``x - c`` in a blob of ours, and the SpatialBN normalises that. Batch normalisation does not
-depend on a per-channel shift of its input, so the output is the same function of ``x``, but
-the kernel's float32 ``E[x^2] - E[x]^2`` no longer cancels: its variance is not NaN, and the
-layers after it see the activations an accurate kernel would give them, even when a channel's
-mean is 1e4 times its std. ``x - c`` is exact where ``x`` and ``c`` are within a factor 2 of
-each other (Sterbenz), which is every element once the mean dwarfs the std; the shifted blob is
-ours alone, so nothing overwrites it before it is read.
+Every SpatialBN input is read after the net has run, so no later op may overwrite it: an op that
+writes the input's blob after the SpatialBN read it (the SpatialBN itself, in place, or an
+in-place ReLU) writes a blob of ours instead, and the ops after it read that one. Renaming adds
+no op and no copy; the input just stays alive until it is read.
 
 Caffe2 is imported lazily: ``import precise_bn`` never needs it.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import BackendUnavailableError, ConfigError, LayerError
 
@@ -50,20 +43,18 @@ def import_caffe2() -> Tuple[Any, Any, Any]:
 
 
 class BNBlobs(NamedTuple):
-    """The blobs of one SpatialBN layer on one device, and how to read its element count."""
+    """The blobs of one SpatialBN layer on one device: its running stats, its input ``x``
+    (channels on ``channel_axis``) and the inverse std its kernel saved."""
 
     layer: str
     device: str
     option: Any
     rm: str
     riv: str
-    sm: str
     siv: str
-    shape: str
     channel_axis: int
     eps: float
     x: str
-    shift: str
 
 
 def _arg(op: Any, name: str) -> Any:
@@ -107,16 +98,15 @@ def _net_proto(model: Any) -> Any:
     )
 
 
-def forward_only_net(model: Any, channels: Optional[Callable[[str], int]] = None) -> Any:
+def forward_only_net(model: Any) -> Any:
     """Build the aux NetDef: the ops feeding some SpatialBN input, with SpatialBN in train mode.
 
     ``model`` is an aux net already (kept as it is, minus the ops after the last BN layer) or a
     training net: gradient ops, loss-only ops and optimizer updates contribute to no BN input
     and are dropped. Each SpatialBN gets ``is_test=0`` (a test-mode op also gets the running
-    and saved stats outputs a train-mode op writes), followed by a ``Shape`` op on its input.
-    The aux net is named after the source net plus ``_precise_bn_aux``. Given ``channels`` (the
-    channel count of a scale blob), every SpatialBN normalises its input shifted by its batch
-    mean, for the exact path (see the module docstring).
+    and saved stats outputs a train-mode op writes), and its input is kept from being
+    overwritten (see the module docstring). The aux net is named after the source net plus
+    ``_precise_bn_aux``.
     """
     _, _, caffe2_pb2 = import_caffe2()
     source = _net_proto(model)
@@ -150,59 +140,42 @@ def forward_only_net(model: Any, channels: Optional[Callable[[str], int]] = None
         for blob in op.input:
             if blob not in produced and blob not in external:
                 external.append(blob)
-        bn = _is_forward_bn(op)
-        if bn and channels is not None:
-            produced.update(_add_shift(aux, op, channels))
         new = aux.op.add()
         new.CopyFrom(op)
-        if bn:
-            if channels is not None:
-                new.input[0] = _shifted_blob(op)
+        if _is_forward_bn(op):
             _set_train_mode(new)
-            produced.update(_add_op(aux, op, "Shape", [new.input[0]], [_shape_blob(new)]))
         produced.update(new.output)
     aux.external_input.extend(external)
+    _keep_bn_inputs(aux.op)
     return aux
 
 
-def _add_op(aux: Any, bn_op: Any, kind: str, inputs: Sequence[str], outputs: Sequence[str], **args: Any) -> List[str]:
-    """Append a ``kind`` op placed where ``bn_op`` runs; returns its outputs."""
-    core, _, _ = import_caffe2()
-    op = aux.op.add()
-    op.CopyFrom(core.CreateOperator(kind, list(inputs), list(outputs), **args))
-    if bn_op.HasField("device_option"):
-        op.device_option.CopyFrom(bn_op.device_option)
-    return list(outputs)
+def _keep_bn_inputs(ops: Any) -> None:
+    """Rename, from the first op that overwrites a SpatialBN's input onwards, that blob to one of
+    ours, so that the input is still there once the net has run."""
+    for index, op in enumerate(ops):
+        if not _is_forward_bn(op):
+            continue
+        blob = op.input[0]
+        writer = next((i for i in range(index, len(ops)) if blob in ops[i].output), None)
+        if writer is None:
+            continue
+        renamed = "{}_precise_bn_after_{}".format(blob, writer)
+        _rename(ops[writer].output, blob, renamed)
+        for later in ops[writer + 1:]:
+            _rename(later.input, blob, renamed)
+            _rename(later.output, blob, renamed)
 
 
-def _shift_blob(bn_op: Any) -> str:
-    return bn_op.input[1] + "_precise_bn_shift"
-
-
-def _shifted_blob(bn_op: Any) -> str:
-    return bn_op.input[1] + "_precise_bn_input"
+def _rename(names: Any, old: str, new: str) -> None:
+    for k, name in enumerate(names):
+        if name == old:
+            names[k] = new
 
 
 def _is_nhwc(op: Any) -> bool:
     order = _arg(op, "order")
     return order is not None and order.s in (b"NHWC", "NHWC")
-
-
-def _add_shift(aux: Any, bn_op: Any, channels: Callable[[str], int]) -> List[str]:
-    """``c``, the mean of ``x`` over every axis but the channel's, and ``x - c``, ahead of ``bn_op``.
-
-    A NetDef does not know its blobs' ranks, so ``x`` is viewed as ``(N, C, rest)`` (NCHW) or
-    ``(rest, C)`` (NHWC, ``C`` read from the scale blob) for the reduction and the broadcast
-    subtraction, and given its own shape back.
-    """
-    x, shift, shifted = bn_op.input[0], _shift_blob(bn_op), _shifted_blob(bn_op)
-    nhwc = _is_nhwc(bn_op)
-    view, axes = ([-1, channels(bn_op.input[1])], [0]) if nhwc else ([0, 0, -1], [0, 2])
-    produced = _add_op(aux, bn_op, "Reshape", [x], [shifted, shift + "_shape"], shape=view)
-    produced += _add_op(aux, bn_op, "ReduceMean", [shifted], [shift], axes=axes, keepdims=1)
-    _add_op(aux, bn_op, "Sub", [shifted, shift], [shifted])
-    _add_op(aux, bn_op, "Reshape", [shifted, shift + "_shape"], [shifted, shift + "_view"])
-    return produced + [shift + "_view"]
 
 
 def _set_train_mode(op: Any) -> None:
@@ -215,10 +188,6 @@ def _set_train_mode(op: Any) -> None:
         scale = op.input[1]
         stem = scale[: -len("_s")] if scale.endswith("_s") else op.output[0]
         op.output.extend([op.input[3], op.input[4], stem + "_sm", stem + "_siv"])
-
-
-def _shape_blob(bn_op: Any) -> str:
-    return bn_op.output[3] + "_precise_bn_shape"
 
 
 def _layer_name(scale_blob: str) -> str:
@@ -234,8 +203,7 @@ def find_bn_layers(aux: Any, devices: Sequence[str]) -> Dict[str, List[BNBlobs]]
 
     A layer is a train-mode SpatialBN op of ``aux``; its device is the ``{prefix}_{i}`` name
     scope of its scale parameter (``""`` for an unscoped single-device net). Every device must
-    hold the same layers, and a layer must run once per net run (its saved stats are
-    overwritten by a second call). Each layer keeps the epsilon its kernel used for ``siv``.
+    hold the same layers, each run once per net run. Each layer keeps its op's epsilon.
     """
     by_device: Dict[str, Dict[str, BNBlobs]] = {device: {} for device in devices}
     for op in aux.op:
@@ -251,26 +219,21 @@ def find_bn_layers(aux: Any, devices: Sequence[str]) -> Dict[str, List[BNBlobs]]
             )
         if layer in by_device[device]:
             raise LayerError(
-                "SpatialBN layer {!r} on device {!r} runs more than once per net run: its saved "
-                "batch stats {!r} keep only the last call, so it cannot be measured".format(
-                    layer, device or "<unscoped>", op.output[3]
-                )
+                "SpatialBN layer {!r} on device {!r} runs more than once per net run (two SpatialBN "
+                "ops share its parameters); the Caffe2 backend measures one call per layer and device "
+                "and run: give each op its own scale, bias and running stats".format(layer, device or "<unscoped>")
             )
         eps_arg = _arg(op, "epsilon")
-        shifted = op.input[0] == _shifted_blob(op)
         by_device[device][layer] = BNBlobs(
             layer=layer,
             device=device,
             option=device_option(aux, op),
             rm=op.input[3],
             riv=op.input[4],
-            sm=op.output[3],
             siv=op.output[4],
-            shape=_shape_blob(op),
             channel_axis=-1 if _is_nhwc(op) else 1,
             eps=float(eps_arg.f) if eps_arg is not None else CAFFE2_DEFAULT_EPS,
             x=op.input[0],
-            shift=_shift_blob(op) if shifted else "",
         )
     names = list(by_device[devices[0]])
     for device in devices:

@@ -1,78 +1,83 @@
-"""One Caffe2 SpatialBN call's statistics: decoded from what the kernel saved, measured from its
-input, and whether the kernel's can be trusted.
+"""One Caffe2 SpatialBN call's statistics, measured from its input in float64.
 
-Caffe2's CPU kernel forms a call's variance as ``E[x^2] - E[x]^2`` in float32 and saves
-``1 / sqrt(var + eps)``. These functions need numpy and torch only, never Caffe2.
+Each channel is shifted by one of its own values ``c`` (its first): ``y = x - c`` is exact in
+float64 for a float32 ``x``, a constant channel gives ``y = 0`` and a variance of exactly 0, and
+with ``d = c - mean``, ``var = (s2 - s1^2 / n) / n`` from the float64 sums of ``y`` and ``y^2``
+cancels only ``d^2``: its relative error is the sums' times ``1 + d^2 / var``, whatever the mean
+over the std. Should ``c`` lie more than :data:`FAR` stds from the mean (a value far out in the
+tail), the call is measured again around its mean rounded to float32. ``y`` is formed a chunk at
+a time in a float64 buffer that stays in the CPU's cache until it is summed (docs/caffe2.md).
 """
 from __future__ import annotations
 
-import math
-from typing import List, Tuple
+from typing import Tuple
 
 import numpy as np
 import torch
 
-from ..estimator import PopulationStats, shifted_moments
-
-#: Relative error of a written variance above which a channel is named untrusted.
-UNTRUSTED_RTOL = 1e-3
-
-# float32 carries 24 significant bits: a saved inverse std is only known to 2**-24 relative.
-_FLOAT32_REL = 2.0 ** -24
+#: Float64 values of ``y`` formed at a time: the size of the buffer :func:`measure_input` needs.
+CHUNK = 1 << 15
+#: How many standard deviations from the mean a shift may lie before the call is measured again
+#: around its mean: the variance's relative error is the sums' times ``1 + FAR^2`` at most.
+FAR = 32.0
 
 
-
-def decode_saved_stats(sm: np.ndarray, siv: np.ndarray, eps: float) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """A SpatialBN call's float64 ``(mean, biased var)`` from its saved mean and inverse std,
-    and how many channels came out negative.
-
-    ``var = 1 / siv^2 - eps`` in float64. Anything below the resolution of a float32 ``siv``
-    (two float32 ulps of ``var + eps``) cannot be told apart from zero: a dead channel comes
-    back as exactly 0 instead of a tiny signed residue, and a negative value is clamped.
-    """
-    mean = torch.as_tensor(np.asarray(sm, dtype=np.float64)).reshape(-1)
-    inv = torch.as_tensor(np.asarray(siv, dtype=np.float64)).reshape(-1)
-    var_eps = 1.0 / (inv * inv)
-    var = var_eps - float(eps)
-    negative = int((var < 0).sum())
-    var = torch.where(var < var_eps * (4.0 * _FLOAT32_REL), torch.zeros_like(var), var)
-    return mean, var, negative
+def measure_input(x: np.ndarray, axis: int, out: Tuple[np.ndarray, np.ndarray], buffer: np.ndarray) -> int:
+    """Write the float64 per-channel mean and biased variance of ``x`` (channels on ``axis``:
+    1 or -1) into ``out``, using ``buffer`` (``CHUNK`` float64 values, overwritten); return the
+    elements per channel (0: ``out`` untouched)."""
+    if x.size == 0:
+        return 0
+    channels = x.shape[axis]
+    # (samples, channels, positions), the last axis contiguous: NCHW as (N, C, H x W), NHWC as
+    # (N x H x W, C, 1).
+    blocks = x.reshape(x.shape[0], channels, -1) if axis == 1 else x.reshape(-1, channels, 1)
+    if _moments(blocks, blocks[0, :, :1].astype(np.float64), out, buffer):
+        # A first value far out in its channel's tail: measure again around the mean.
+        _moments(blocks, out[0].astype(np.float32).astype(np.float64)[:, None], out, buffer)
+    return x.size // channels
 
 
-def measure_input(x: np.ndarray, shift32: np.ndarray, axis: int, buffer: torch.Tensor
-                  ) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """Float64 ``(mean, biased var, elements per channel)`` of a SpatialBN input ``x`` whose
-    channels lie on ``axis``, measured around ``shift32``, the kernel's float32 batch mean (see
-    :func:`~precise_bn.estimator.shifted_moments`; ``buffer`` holds at least
-    :func:`~precise_bn.estimator.shift_buffer_size` float64 values for ``x`` with ``axis`` moved
-    first, and is overwritten)."""
-    t = torch.from_numpy(np.ascontiguousarray(x)).movedim(axis, 0)
-    shift = torch.from_numpy(np.asarray(shift32, dtype=np.float64)).reshape(-1)
-    mean, var = shifted_moments(t, shift, buffer)
-    return mean, var, t.numel() // max(t.shape[0], 1)
+def _moments(blocks: np.ndarray, shift: np.ndarray, out: Tuple[np.ndarray, np.ndarray], buffer: np.ndarray) -> bool:
+    """Mean and variance around ``shift`` into ``out``; whether the shift lay more than
+    ``FAR`` standard deviations from the mean in some channel."""
+    s1, s2 = _sums(blocks, shift, buffer)
+    count = blocks.size // blocks.shape[1]
+    mean, var = out
+    np.divide(s1, count, out=mean)  # the mean's offset from the shift, for now
+    np.multiply(s1, mean, out=var)
+    np.subtract(s2, var, out=var)
+    np.maximum(var, 0.0, out=var)
+    var /= count
+    far = bool(np.any(mean * mean > FAR * FAR * var))
+    mean += shift[:, 0]
+    return far
 
 
-def untrusted_channels(stats: PopulationStats) -> List[int]:
-    """Channels whose variance, from the float32 kernel's ``E[x^2] - E[x]^2``, may be off by more
-    than :data:`UNTRUSTED_RTOL` of itself.
+def _sums(blocks: np.ndarray, shift: np.ndarray, buffer: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Per channel, the float64 sums of ``y = blocks - shift`` and of ``y^2``, over blocks of
+    ``(k, m, q)`` values that fill at most ``CHUNK``: whole samples while they fit, else some
+    channels of one sample, else part of one channel's positions."""
+    samples, channels, positions = blocks.shape
+    if blocks.size <= CHUNK:
+        return _block_sums(blocks, torch.from_numpy(shift), buffer)
+    q = min(positions, CHUNK)
+    m = min(channels, CHUNK // q)
+    k = max(1, CHUNK // (m * q)) if m == channels else 1
+    s1, s2 = np.zeros(channels), np.zeros(channels)
+    for first in range(0, channels, m):
+        part = slice(first, first + m)
+        offset = torch.from_numpy(shift[part])
+        for start in range(0, samples, k):
+            for position in range(0, positions, q):
+                a, b = _block_sums(blocks[start:start + k, part, position:position + q], offset, buffer)
+                s1[part] += a
+                s2[part] += b
+    return s1, s2
 
-    The kernel reduces ``x^2`` over a call's n elements in float32, in a tree: each level rounds
-    partial sums of size about ``n E_i[x^2]`` by up to ``2**-24`` of themselves, so
-    ``E_i[x^2] = m_i^2 + v_i`` comes out with a relative error up to about
-    ``log2(n) * 2**-24``, and subtracting ``m_i^2`` leaves that absolute error on ``v_i``. The
-    written variance is the count-weighted mean of ``v_i + (m_i - mu)^2``, so its error is at
-    most the count-weighted mean of the calls' errors, and
-    ``sum n_i (m_i^2 + v_i) / N = mu^2 + var`` exactly: the error is about
-    ``log2(n) * 2**-24 * (mu^2 + var) / var`` relative, from the written mean and variance
-    (which the saved means and inverse stds gave) and the count-weighted mean elements per
-    call. On Caffe2 1.10's CPU kernel, n = 1e3 to 2e5 and mean/std = 1 to 300, the error
-    reached up to 0.85 of that; twice it is the bound used (``tests/test_caffe2_backend.py``
-    checks the kernel against it). The inputs are the statistics merged over ranks, so every
-    rank names the same channels. A dead channel (mean and variance 0) is exact.
-    """
-    if stats.count == 0:
-        return []
-    per_call = stats.weight / stats.count
-    var = stats.m2 / stats.count
-    bound = 2.0 * math.log2(max(per_call, 2.0)) * _FLOAT32_REL * (stats.mean * stats.mean + var)
-    return torch.nonzero(bound > UNTRUSTED_RTOL * var).reshape(-1).tolist()
+
+def _block_sums(block: np.ndarray, offset: torch.Tensor, buffer: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    y = buffer[:block.size].reshape(block.shape)
+    np.copyto(y, block)  # the float64 cast; torch 1.10's is slower on the CPU
+    torch.from_numpy(y).sub_(offset)  # numpy's broadcast along the last axis is slower
+    return y.sum(axis=(0, 2)), np.einsum("kcp,kcp->c", y, y)

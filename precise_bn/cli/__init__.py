@@ -1,14 +1,15 @@
 """The ``precise-bn`` command: recalibrate, inspect and convert saved checkpoints.
 
     precise-bn recompute ckpt.pt --model torchvision:resnet50 --data imagefolder:/data/train
+    precise-bn check ckpt.pt --model torchvision:resnet50 --data imagefolder:/data/val
     precise-bn inspect ckpt.pt --against ckpt.precise_bn.pt
     precise-bn convert model_final.pkl model_final.pt
     precise-bn demo
 
 Exit status: 0 on success, 2 on a usage error, 1 on a failure, shown as one line that names the
-file, key, layer or argument at fault (``--debug`` adds the traceback); 130 after Ctrl-C, 143
-after SIGTERM. Under ``torchrun`` every rank measures its shard, the stats are merged exactly,
-and rank 0 alone writes.
+file, key, layer or argument at fault (``--debug`` adds the traceback), or when ``check`` finds a
+stale layer; 130 after Ctrl-C, 143 after SIGTERM. Under ``torchrun`` every rank measures its
+shard, the stats are merged exactly, and rank 0 alone writes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -29,6 +30,7 @@ from ..data import input_key_forward
 from ..options import ForwardFn, Options
 from ..signals import Terminated, relayed
 from . import convert, show
+from .check import check_checkpoint, verdict_lines
 from .demo import run_demo
 from .failures import one_line
 from .job import recompute_checkpoint
@@ -44,29 +46,54 @@ def _forward_fn(args: argparse.Namespace) -> Optional[ForwardFn]:
     return input_key_forward(args.input_key) if args.input_key else None
 
 
-def _recompute(args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def _ranks(args: argparse.Namespace) -> Iterator[None]:
+    """Under torchrun, this rank joined to the others for the command; left at the end."""
     Options(device=args.device, timeout=args.timeout)  # checked before joining a process group
     joined = _init_distributed(args.device, args.timeout)
     try:
-        options: Dict[str, Any] = {"num_batches": args.num_batches, "num_samples": args.num_samples,
-                                   "device": _rank_device(args.device), "exact": args.exact, "rtol": args.rtol,
-                                   "forward_fn": _forward_fn(args), "timeout": args.timeout,
-                                   "progress": False if args.quiet else None}
-        if args.min_batches is not None:
-            options["min_batches"] = args.min_batches
-        if args.prior:
-            options["prior"] = args.prior
-        report, _ = recompute_checkpoint(
-            args.checkpoint, args.model, args.data, model_kwargs=args.model_kwargs, data_kwargs=args.data_kwargs,
-            batch_size=args.batch_size, seed=args.seed, augment=args.augment, output=args.output,
-            in_place=args.in_place, report_path=args.report, break_hardlinks=args.break_hardlinks,
-            overwrite=args.overwrite, key=args.key,
-            prefix=args.prefix, trust=args.trust_checkpoint, caffe2_rules=show.rules_of(args), **options)
-        if distributed.is_main_process() and not args.quiet:
-            print(report)
+        yield
     finally:
         if joined:
             torch.distributed.destroy_process_group()
+
+
+def _job_arguments(args: argparse.Namespace) -> Dict[str, Any]:
+    """What ``recompute`` and ``check`` both pass to their job: how to read the checkpoint, the
+    model and the data, the options of the pass, and the rules for output files."""
+    options: Dict[str, Any] = {"num_batches": args.num_batches, "num_samples": args.num_samples,
+                               "device": _rank_device(args.device), "exact": args.exact, "rtol": args.rtol,
+                               "forward_fn": _forward_fn(args), "timeout": args.timeout,
+                               "progress": False if args.quiet else None, "model_kwargs": args.model_kwargs,
+                               "data_kwargs": args.data_kwargs, "batch_size": args.batch_size, "seed": args.seed,
+                               "augment": args.augment, "key": args.key, "prefix": args.prefix,
+                               "trust": args.trust_checkpoint, "caffe2_rules": show.rules_of(args),
+                               "break_hardlinks": args.break_hardlinks, "overwrite": args.overwrite}
+    if args.min_batches is not None:
+        options["min_batches"] = args.min_batches
+    return options
+
+
+def _recompute(args: argparse.Namespace) -> None:
+    with _ranks(args):
+        options = _job_arguments(args)
+        if args.prior:
+            options["prior"] = args.prior
+        report, _ = recompute_checkpoint(args.checkpoint, args.model, args.data, output=args.output,
+                                         in_place=args.in_place, report_path=args.report, **options)
+        if distributed.is_main_process() and not args.quiet:
+            print(report)
+
+
+def _check(args: argparse.Namespace) -> int:
+    with _ranks(args):
+        report = check_checkpoint(args.checkpoint, args.model, args.data, tolerance=tuple(args.tolerance),
+                                  alpha=args.alpha, report_path=args.report, **_job_arguments(args))
+        if distributed.is_main_process():
+            print(report.summary() if args.quiet else report)  # -q: the verdict without the table
+            for line in verdict_lines(report, args):
+                print(line)
+    return 1 if report.stale else 0
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -115,7 +142,8 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
     logger.warning("%s: %s", category.__name__, message)
 
 
-COMMANDS = {"recompute": _recompute, "inspect": show.run, "convert": convert.run, "demo": _demo}
+COMMANDS: Dict[str, Callable[[argparse.Namespace], Optional[int]]] = {
+    "recompute": _recompute, "check": _check, "inspect": show.run, "convert": convert.run, "demo": _demo}
 
 
 def _stdout_closed() -> None:
@@ -135,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with relayed(terminate=True), _logging_to_stderr(args.quiet), warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            COMMANDS[args.command](args)
+            status = COMMANDS[args.command](args) or 0
             sys.stdout.flush()
     except BrokenPipeError:
         _stdout_closed()
@@ -151,4 +179,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return int(exc.code)
         print("precise-bn: error: " + one_line(exc), file=sys.stderr)
         return 1
-    return 0
+    return status

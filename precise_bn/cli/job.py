@@ -13,7 +13,8 @@ import contextlib
 import json
 import logging
 import os
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -106,16 +107,79 @@ def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Mo
     return fixes
 
 
-def _recompute_net(net: nn.Module, batches: BlamedBatches, opts: Options, model_label: str) -> BNReport:
-    """The pass; an exception from the user's model becomes one line naming it and the batch."""
+@dataclass
+class Job:
+    """A checkpoint matched to its model, with the data to read: what ``recompute`` and ``check``
+    measure. ``targets`` are the checked output files (rank 0 only); ``label`` names the model
+    (and ``forward_fn``) in a failure's message."""
+
+    ckpt: Checkpoint
+    net: nn.Module
+    prefix: str
+    batches: BlamedBatches
+    opts: Options
+    targets: List[str]
+    label: str
+
+
+def open_job(
+    checkpoint: str,
+    model: Union[str, nn.Module],
+    data: Union[str, Iterable[Any]],
+    outputs: Sequence[Tuple[str, str]],
+    *,
+    where: str,
+    in_place: bool = False,
+    break_hardlinks: bool = False,
+    overwrite: bool = False,
+    model_kwargs: Optional[Mapping[str, Any]] = None,
+    data_kwargs: Optional[Mapping[str, Any]] = None,
+    batch_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    augment: bool = False,
+    key: Optional[str] = None,
+    prefix: Optional[str] = None,
+    trust: bool = False,
+    caffe2_rules: Any = None,
+    **options: Any,
+) -> Job:
+    """Everything before the pass: ``outputs`` (``(flag, path)``) checked on rank 0, the
+    checkpoint loaded and matched to the model, the data opened (see :func:`recompute_checkpoint`
+    for the arguments; ``where`` names the caller in an error). A failure on any rank fails every
+    rank at the end of the setup."""
+    opts = Options.build(where, **options)
+    if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
+        opts = opts.replace(num_batches=DEFAULT_ITERS)
+    targets: List[str] = []
+    with _together(opts.timeout):
+        if distributed.is_main_process():
+            targets = _check_outputs(checkpoint, data, outputs, in_place, break_hardlinks, overwrite)
+        ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
+        logger.info("%s", ckpt.describe())
+        net, prefix = _load_model(ckpt, model, model_kwargs, prefix)
+        net.to(opts.device or torch.device("cpu"))
+        with blamed_on(_label(data, "--data")):
+            source = resolve_data(data, data_kwargs, batch_size, seed=seed, augment=augment) \
+                if isinstance(data, str) else data
+        batches = BlamedBatches(source, _label(data, "--data"))
+    if not distributed.is_main_process():
+        opts = opts.replace(progress=False)
+    calls = "" if opts.forward_fn is None else " through forward_fn {}".format(
+        getattr(opts.forward_fn, "__qualname__", opts.forward_fn))
+    return Job(ckpt, net, prefix, batches, opts, targets, _label(model, "--model") + calls)
+
+
+def measure(job: Job, write: bool = True) -> BNReport:
+    """The pass (``write=False``: measure only); an exception from the user's model becomes one
+    line naming it and the batch."""
     try:
-        return recalibrate_module(net, batches, opts)
+        return recalibrate_module(job.net, job.batches, job.opts, write=write)
     except PreciseBNError:
         raise
     except Exception as exc:
         if raised_in_package(exc):
             raise
-        raise blame("{} on batch {}".format(model_label, batches.read), exc) from exc
+        raise blame("{} on batch {}".format(job.label, job.batches.read), exc) from exc
 
 
 def recompute_checkpoint(
@@ -153,55 +217,39 @@ def recompute_checkpoint(
     links only with ``break_hardlinks`` too. Only BN ``running_mean``/``running_var``
     change in the file written (see :mod:`precise_bn.checkpoint.formats`).
     """
-    opts = Options.build("recompute_checkpoint", **options)
-    if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
-        opts = opts.replace(num_batches=DEFAULT_ITERS)
     if in_place and output is not None:
         raise ConfigError("recompute: give output or in_place, not both")
     out = checkpoint if in_place else (output or default_output(checkpoint))
-    targets: List[str] = []
-    with _together(opts.timeout):
-        if distributed.is_main_process():
-            targets = _check_outputs(checkpoint, data, out, report_path, in_place, break_hardlinks, overwrite)
-        ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
-        logger.info("%s", ckpt.describe())
-        net, prefix = _load_model(ckpt, model, model_kwargs, prefix)
-        net.to(opts.device or torch.device("cpu"))
-        with blamed_on(_label(data, "--data")):
-            source = resolve_data(data, data_kwargs, batch_size, seed=seed, augment=augment) \
-                if isinstance(data, str) else data
-        batches = BlamedBatches(source, _label(data, "--data"))
-    if not distributed.is_main_process():
-        opts = opts.replace(progress=False)
-    calls = "" if opts.forward_fn is None else " through forward_fn {}".format(
-        getattr(opts.forward_fn, "__qualname__", opts.forward_fn))
-    report = _recompute_net(net, batches, opts, _label(model, "--model") + calls)
-    _write(ckpt, net, prefix, report, targets, out, report_path)
+    outputs = [("--in-place" if in_place else "--output", out)] + ([("--report", report_path)] if report_path else [])
+    job = open_job(checkpoint, model, data, outputs, where="recompute_checkpoint", in_place=in_place,
+                   break_hardlinks=break_hardlinks, overwrite=overwrite, model_kwargs=model_kwargs,
+                   data_kwargs=data_kwargs, batch_size=batch_size, seed=seed, augment=augment, key=key, prefix=prefix,
+                   trust=trust, caffe2_rules=caffe2_rules, **options)
+    report = measure(job)
+    _write(job, report, out, report_path)
     return report, out
 
 
-def _write(ckpt: Checkpoint, net: nn.Module, prefix: str, report: BNReport, targets: List[str], out: str,
-           report_path: Optional[str]) -> None:
-    """Rank 0 writes the checkpoint (and the report) to the checked ``targets``; all ranks wait."""
+def _write(job: Job, report: BNReport, out: str, report_path: Optional[str]) -> None:
+    """Rank 0 writes the checkpoint (and the report) to the checked targets; all ranks wait."""
     try:
         if distributed.is_main_process():
-            apply_bn_stats(ckpt, prefix, bn_stats_of(net, report))
-            set_provenance(ckpt, provenance(report))
-            save_checkpoint(ckpt, targets[0])
+            apply_bn_stats(job.ckpt, job.prefix, bn_stats_of(job.net, report))
+            set_provenance(job.ckpt, provenance(report))
+            save_checkpoint(job.ckpt, job.targets[0])
             if report_path:
-                write_report(targets[1], report, ckpt, out, prefix)
+                write_report(job.targets[1], report, job.ckpt, out, job.prefix)
     finally:
         distributed.barrier()
 
 
-def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], out: str, report_path: Optional[str],
+def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], outputs: Sequence[Tuple[str, str]],
                    in_place: bool, break_hardlinks: bool, overwrite: bool) -> List[str]:
-    """The checkpoint and report files to write, checked against the inputs (see
+    """The files to write, checked against the inputs (see
     :func:`~precise_bn.checkpoint.paths.check_paths`)."""
     read = data_files(data) if isinstance(data, str) else []
     inputs = [("the checkpoint", checkpoint)] + [("--data", f) for f in read]
-    outputs = [("--in-place" if in_place else "--output", out)] + ([("--report", report_path)] if report_path else [])
-    return check_paths(inputs, outputs, in_place=in_place, break_hardlinks=break_hardlinks, overwrite=overwrite)
+    return check_paths(inputs, list(outputs), in_place=in_place, break_hardlinks=break_hardlinks, overwrite=overwrite)
 
 
 def write_report(path: str, report: BNReport, ckpt: Checkpoint, output: str, prefix: str) -> None:

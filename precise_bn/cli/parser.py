@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .._version import __version__
 from ..errors import ConfigError
 from ..options import DEFAULT_TIMEOUT, Options, option_help
+from ..staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, Rule
 from .data_specs import CROP_FRACTION
 from .demo import DEFAULT_STEPS
 from .job import DEFAULT_ITERS
@@ -112,8 +113,8 @@ def _add_data(rec: argparse.ArgumentParser) -> None:
                          "model(batch[NAME])")
 
 
-def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
-    rec = sub.add_parser("recompute", parents=[common], help="recalibrate a checkpoint's BN stats on training data")
+def _add_pass(rec: argparse.ArgumentParser) -> None:
+    """What ``recompute`` and ``check`` both take: the checkpoint, the model, the data, how to read it."""
     rec.add_argument("checkpoint", help=".pt/.pth/.ckpt (PyTorch, Lightning), .safetensors or Caffe2 .pkl")
     rec.add_argument("--model", required=True, help="package.module:callable, torchvision:NAME or timm:NAME")
     rec.add_argument("--model-kwargs", type=_json_object, default={}, metavar="JSON")
@@ -127,19 +128,49 @@ def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
     rec.add_argument("--exact", action="store_true", help=option_help("exact"))
     rec.add_argument("--rtol", type=_fraction, help=option_help("rtol"))
     rec.add_argument("--min-batches", type=_positive_int, help=option_help("min_batches"))
-    rec.add_argument("--prior", type=float, default=0.0, metavar="N",
-                     help=option_help("prior") + " (the checkpoint's running stats are the source)")
     rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                      help=option_help("timeout") + ", under torchrun (default %(default)g)")
+    rec.add_argument("--prefix", help="the model's key prefix in the state dict (default: found by matching)")
+
+
+def _add_recompute(sub: Any, common: argparse.ArgumentParser) -> None:
+    rec = sub.add_parser("recompute", parents=[common], help="recalibrate a checkpoint's BN stats on training data")
+    _add_pass(rec)
+    rec.add_argument("--prior", type=float, default=0.0, metavar="N",
+                     help=option_help("prior") + " (the checkpoint's running stats are the source)")
     where = rec.add_mutually_exclusive_group()
     where.add_argument("--output", help="file to write (default: NAME.precise_bn.EXT next to the input)")
     where.add_argument("--in-place", action="store_true",
                        help="replace the input file (atomically; through a symbolic link, its target)")
     rec.add_argument("--report", metavar="FILE.json", help="write the per-layer drift as JSON")
-    rec.add_argument("--prefix", help="the model's key prefix in the state dict (default: found by matching)")
     _add_writing(rec)
     _add_loading(rec)
     rec.set_defaults(command_parser=rec)
+
+
+def _add_check(sub: Any, common: argparse.ArgumentParser) -> None:
+    chk = sub.add_parser("check", parents=[common],
+                         help="exit 1 when a checkpoint's BN stats do not fit the data (writes nothing)")
+    _add_pass(chk)
+    chk.add_argument("--tolerance", type=float, nargs=2, default=list(DEFAULT_TOLERANCE), metavar=("MEAN", "VAR"),
+                     help="drift allowed: the mean in units of the std, the variance relative to itself "
+                     "(default {:g} {:g})".format(*DEFAULT_TOLERANCE))
+    chk.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                     help="chance of naming a layer stale whose channels all drift within the tolerance, over "
+                     "the whole model (default %(default)g)")
+    chk.add_argument("--report", metavar="FILE.json", help="write the verdict, drifts and p-values as JSON")
+    _add_writing(chk)
+    _add_loading(chk)
+    chk.set_defaults(command_parser=chk)
+
+
+def shared_actions() -> List[argparse.Action]:
+    """The arguments ``check`` shares with ``recompute``: those that go into the ``recompute``
+    command a failed check prints."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    _add_pass(scratch)
+    _add_loading(scratch)
+    return list(scratch._actions)
 
 
 def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -167,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loading = _add_loading
 
     _add_recompute(sub, common)
+    _add_check(sub, common)
     _add_inspect(sub, common)
 
     con = sub.add_parser("convert", parents=[common], help="Caffe2 .pkl <-> PyTorch .pt / .safetensors (by extension)")
@@ -200,10 +232,15 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.command == "inspect" and args.plot and not args.against:
         args.command_parser.error("--plot draws the drift between two checkpoints and needs --against OTHER")
-    for name, flag in CHECKED_BY_OPTIONS.items() if args.command == "recompute" else ():
+    for name, flag in CHECKED_BY_OPTIONS.items() if args.command in ("recompute", "check") else ():
         if getattr(args, name) is not None:
             try:
                 Options(**{name: getattr(args, name)})
             except ConfigError as exc:
                 args.command_parser.error("argument {}: {}".format(flag, exc))
+    for name, flag in (("tolerance", "--tolerance"), ("alpha", "--alpha")) if args.command == "check" else ():
+        try:
+            Rule(**{name: getattr(args, name)})
+        except ConfigError as exc:
+            args.command_parser.error("argument {}: {}".format(flag, exc))
     return args

@@ -1,0 +1,215 @@
+"""A 32-batch resnet18 pass in a fresh process: precise-bn against fvcore, wall clock, one
+thread, with the on-disk compile cache warm and cold.
+
+    python benchmarks/fresh_process.py [--quick] [--out DIR] [--reps N] [--cold-reps N]
+
+Every measurement is a fresh Python process (this script with ``--worker``) that builds
+torchvision's resnet18 (random weights, ``torch.manual_seed(0)``) and 32 batches of
+``torch.randn`` (seed 1), then times one call on one thread: ``precise_bn.recompute`` under
+``PRECISE_BN_COMPILE=auto`` (the pass's plan starts the background compile of the float64 sums
+at its first batch when the pass is long enough) or fvcore's ``update_bn_stats``. The processes
+import the package of this checkout. Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) is a
+directory of this run's own: one warm-up process fills it first (a precise-bn pass at the first
+size, which then waits for its compile), and every "warm" process finds the compiled sums there;
+each "cold" process gets an empty one, as on the first run ever. precise-bn and fvcore
+processes alternate (which goes first alternates too), and each ratio is taken between adjacent
+processes. Per size and cache: the call's seconds and the process's seconds from its start to
+the call's return (interpreter, imports, model and data included), and for precise-bn whether
+the compile had finished when the call returned, the share of elements measured eagerly, and how
+long after the call the compile finished. Writes the "fresh process" section of
+``DIR/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import common
+
+SIZES = ((112, 16), (224, 32))  # image side, batch size
+QUICK_SIZES = ((32, 2),)
+BATCHES = 32
+TARGET = 1.3
+PRECISE, FVCORE = "precise-bn", "fvcore"
+
+
+def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One timed call in this (fresh) process; what it measured, as JSON-able values."""
+    import torch
+    import torchvision
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).train()
+    gen = torch.Generator().manual_seed(1)
+    side, batch = spec["side"], spec["batch"]
+    batches = [torch.randn(batch, 3, side, side, generator=gen) for _ in range(spec["batches"])]
+    out: Dict[str, Any] = {}
+    if spec["method"] == PRECISE:
+        from precise_bn import moments, recompute
+
+        start, cpu = time.perf_counter(), time.process_time()
+        report = recompute(model, batches, progress=False)
+        out["call"], out["cpu"] = time.perf_counter() - start, time.process_time() - cpu
+        out["returned"] = time.time()
+        kernels = moments.KERNELS
+        out["ready_at_return"] = len(kernels.ready)
+        out["eager_share"] = kernels.eager_elements / sum(layer.elements * layer.old_mean.numel()
+                                                          for layer in report.layers)
+        start = time.perf_counter()
+        kernels.wait()
+        out["compile_after"] = time.perf_counter() - start
+        out["ready_after"] = len(kernels.ready)
+        out["failures"] = list(kernels.failures)
+    else:
+        from fvcore.nn.precise_bn import update_bn_stats
+
+        start, cpu = time.perf_counter(), time.process_time()
+        update_bn_stats(model, batches, num_iters=len(batches))
+        out["call"], out["cpu"] = time.perf_counter() - start, time.process_time() - cpu
+        out["returned"] = time.time()
+    return out
+
+
+def run_process(method: str, side: int, batch: int, batches: int, cache: Optional[Path]) -> Dict[str, Any]:
+    """Start this script as a worker for one call (inductor's cache in ``cache``, if given) and
+    return what it measured, with ``process``: seconds from just before the process was started
+    to the call's return."""
+    spec = {"method": method, "side": side, "batch": batch, "batches": batches}
+    env = dict(os.environ, PRECISE_BN_COMPILE="auto",
+               PYTHONPATH=os.pathsep.join([str(common.REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    if cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    started = time.time()
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, env=env, check=False, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError("fresh-process worker failed ({} at {}x{}):\n{}".format(
+            method, side, batch, done.stderr[-4000:]))
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["process"] = out["returned"] - started
+    return out
+
+
+def pairs(side: int, batch: int, batches: int, reps: int, cache: Optional[Path]) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """``reps`` adjacent (precise-bn, fvcore) processes, precise-bn first on even repetitions;
+    with ``cache`` None each precise-bn process gets an empty cache directory of its own."""
+    out = []
+    for rep in range(reps):
+        results: Dict[str, Dict[str, Any]] = {}
+        for method in ((PRECISE, FVCORE) if rep % 2 == 0 else (FVCORE, PRECISE)):
+            common.log.info("fresh process: %s, %dx%d batch %d, %s cache, repetition %d", method, side, side, batch,
+                            "warm" if cache else "cold", rep + 1)
+            if cache is None and method == PRECISE:
+                with tempfile.TemporaryDirectory(prefix="precise-bn-cold-") as empty:
+                    results[method] = run_process(method, side, batch, batches, Path(empty))
+            else:
+                results[method] = run_process(method, side, batch, batches, cache)
+        out.append((results[PRECISE], results[FVCORE]))
+    return out
+
+
+def _spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
+    return (fmt + " (" + fmt + "-" + fmt + ")").format(statistics.median(values), min(values), max(values))
+
+
+def rows(side: int, batch: int, cache: str, done: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]]
+         ) -> Tuple[List[Any], List[Any]]:
+    """A row of :data:`TIME_HEADERS` and one of :data:`COMPILE_HEADERS`."""
+    ours = [p for p, _ in done]
+    theirs = [f for _, f in done]
+    finished = sum(1 for p in ours if p["ready_at_return"] and p["ready_at_return"] == p["ready_after"])
+    asked = sum(1 for p in ours if p["ready_after"] or p["failures"])
+    head = ["{0}x{0}, batch {1}".format(side, batch), cache, len(done)]
+    return head + [
+        _spread([f["call"] for f in theirs]), _spread([p["call"] for p in ours]),
+        _spread([p["call"] / f["call"] for p, f in done], "{:.3f}"),
+        _spread([p["cpu"] / f["cpu"] for p, f in done], "{:.3f}"),
+        _spread([f["process"] for f in theirs]), _spread([p["process"] for p in ours]),
+        _spread([p["process"] / f["process"] for p, f in done], "{:.3f}"),
+    ], head + [
+        "{} of {} ({} asked)".format(finished, len(ours), asked),
+        _spread([100 * p["eager_share"] for p in ours], "{:.0f}%"),
+        _spread([p["compile_after"] for p in ours], "{:.1f}"),
+        "; ".join(sorted({f for p in ours for f in p["failures"]})) or "none",
+    ]
+
+
+TIME_HEADERS = ["input", "cache", "pairs", "fvcore call (s)", "precise-bn call (s)", "precise-bn / fvcore, call",
+                "precise-bn / fvcore, CPU time of the call", "fvcore process (s)", "precise-bn process (s)",
+                "precise-bn / fvcore, process"]
+COMPILE_HEADERS = ["input", "cache", "pairs", "compile done when the call returned", "elements measured eagerly",
+                   "compile finished after the call (s)", "failed compiles"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_arguments(parser)
+    parser.add_argument("--reps", type=int, default=None, help="pairs of processes per size, warm cache (default 5, quick 1)")
+    parser.add_argument("--cold-reps", type=int, default=None, help="pairs per size, cold cache (default 2, quick 1)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = common.parse_common(parser, argv)
+    if args.worker is not None:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return
+    reps = args.reps or (1 if args.quick else 5)
+    cold_reps = args.cold_reps or (1 if args.quick else 2)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    started = time.perf_counter()
+    time_rows, compile_rows, lines = [], [], []
+    cache = Path(tempfile.mkdtemp(prefix="precise-bn-warm-"))
+    try:
+        common.log.info("fresh process: warm-up process filling %s", cache)
+        warmup = run_process(PRECISE, sizes[0][0], sizes[0][1], BATCHES, cache)
+        for side, batch in sizes:
+            warm = pairs(side, batch, BATCHES, reps, cache)
+            cold = pairs(side, batch, BATCHES, cold_reps, None)
+            for label, done in (("warm", warm), ("cold", cold)):
+                time_row, compile_row = rows(side, batch, label, done)
+                time_rows.append(time_row)
+                compile_rows.append(compile_row)
+            ratio = statistics.median(p["call"] / f["call"] for p, f in warm)
+            lines.append(common.target_line("{0}x{0}, batch {1}, warm cache: precise-bn / fvcore = {2:.3f} "
+                                            "(<= {3})".format(side, batch, ratio, TARGET), ratio <= TARGET))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    text = "\n\n".join([
+        "## A fresh process: a 32-batch resnet18 pass against fvcore (`benchmarks/fresh_process.py`)",
+        "Command: `{}` ({:.0f} s)".format(common.command_line(argv), time.perf_counter() - started),
+        common.environment_text(1, sums="Workers: `PRECISE_BN_COMPILE=auto`."),
+        "Each figure comes from its own fresh Python process: torchvision's resnet18 (random weights), "
+        "{} batches of `torch.randn`, `torch.set_num_threads(1)`, one call timed by wall clock. `call`: the "
+        "`recompute` or `update_bn_stats` call alone; `CPU time of the call`: the process's CPU time over "
+        "the call, every thread counted (precise-bn's background compile runs in a thread of its own, on "
+        "another core when there is one); `process`: from just before the process was "
+        "started to the call's return (interpreter, imports, model and data included). Median (min-max) "
+        "over the pairs; each ratio is taken between the two processes of a pair, run one after the "
+        "other. `warm`: inductor's cache directory was filled by one warm-up process first (a precise-bn "
+        "pass at {}x{}, batch {}, that {}); `cold`: each "
+        "precise-bn process starts with an empty cache directory, as on the first run ever. `compile done "
+        "when the call returned`: processes whose background compile had finished by the call's return, of "
+        "those that asked for one (`auto` asks when the pass plans enough elements); `elements measured "
+        "eagerly`: the share of the pass's elements measured before the compiled sums were ready.".format(
+            BATCHES, sizes[0][0], sizes[0][0], sizes[0][1],
+            "waited for its compile: {} form(s), {:.1f} s after its call".format(warmup["ready_after"], warmup["compile_after"])
+            if warmup["ready_after"] else "asked for no compile: the pass was too short for `auto`"),
+        common.markdown_table(TIME_HEADERS, time_rows),
+        common.markdown_table(COMPILE_HEADERS, compile_rows),
+        "Target: at most {}x fvcore's time in a fresh process, warm cache (the call):".format(TARGET),
+        "\n".join(lines),
+    ])
+    common.write_section(args.out / "RESULTS.md", "fresh process", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Whether a model's stored BN statistics fit its data: the rule behind ``precise_bn.check``.
+
+A channel's stored mean (variance) is *off* when it differs from the measured one by more than
+the tolerance and by more than sampling explains: Student's t with ``calls - 1`` degrees of
+freedom on how far the drift lies beyond the tolerance (for the variance, on the log of the
+ratio), the measured standard error counted for both sides (the stored statistics came from a
+sample of similar size). Holm's step-down over every test of the model keeps the chance of
+calling any channel off whose true drift is within the tolerance at ``alpha`` or less, however
+many channels and however they are correlated. A layer is stale when one of its channels is
+off. Derivation and measured false-alarm rates: docs/check.md.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import ConfigError
+from .report import BNReport, LayerReport
+
+#: Default tolerance: the mean within 5% of the std, the variance within 10% of itself (the
+#: normalised activations off by about 5% in offset and in scale).
+DEFAULT_TOLERANCE = (0.05, 0.1)
+#: Default family-wise false-alarm level over every channel of the model.
+DEFAULT_ALPHA = 0.01
+#: The standard error of a difference between two estimates of similar precision: sqrt(2) times either's.
+PAIRED = math.sqrt(2.0)
+#: Degrees of freedom beyond which the test uses this many: heavier tails than the calls give,
+#: so never a false alarm more, and a bound on the continued fraction's length.
+MAX_DOF = 100000.0
+STATISTICS = ("mean", "var")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What counts as stale: ``tolerance`` ``(mean in std units, variance relative)`` and the
+    family-wise false-alarm level ``alpha``; checked when built."""
+
+    tolerance: Tuple[float, float] = DEFAULT_TOLERANCE
+    alpha: float = DEFAULT_ALPHA
+
+    def __post_init__(self) -> None:
+        value = self.tolerance
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2 or not all(
+                _real(v) and 0 <= v < math.inf for v in value):
+            raise ConfigError("tolerance must be two numbers >= 0, (mean in std units, variance relative), "
+                              "got {!r}".format(value))
+        object.__setattr__(self, "tolerance", (float(value[0]), float(value[1])))
+        if not (_real(self.alpha) and 0 < self.alpha < 1):
+            raise ConfigError("alpha must be a number in (0, 1), got {!r}".format(self.alpha))
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _continued_fraction(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The continued fraction of the incomplete beta function (modified Lentz), for
+    ``x < (a + 1) / (a + b + 2)``, where it converges in about ``sqrt(max(a, b))`` terms."""
+    tiny = 1e-300
+    c = torch.ones_like(x)
+    d = 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
+    h = d.clone()
+    for m in range(1, 10000):
+        for coefficient in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d = 1.0 + coefficient * d
+            d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
+            c = 1.0 + coefficient / c
+            c = torch.where(c.abs() < tiny, torch.full_like(c, tiny), c)
+            step = d * c
+            h = h * step
+        if not bool(((step - 1.0).abs() > 1e-12).any()):
+            break
+    return h
+
+
+def t_tail(t: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
+    """``P(T > t)`` for Student's t with ``dof`` degrees of freedom, float64, accurate to the
+    last digits far into the tail: ``I_x(dof/2, 1/2) / 2`` with ``x = dof / (dof + t^2)``."""
+    t, dof = torch.broadcast_tensors(t.double(), dof.double())
+    square = t * t
+    x = dof / (dof + square)
+    rest = 1.0 / (1.0 + dof / square)  # 1 - x without cancellation, 1 at t = +-inf
+    a, b = dof / 2.0, torch.full_like(dof, 0.5)
+    swap = x > (a + 1.0) / (a + b + 2.0)
+    p, q = torch.where(swap, b, a), torch.where(swap, a, b)
+    u, v = torch.where(swap, rest, x), torch.where(swap, x, rest)
+    log_front = torch.lgamma(p + q) - torch.lgamma(p) - torch.lgamma(q) + p * torch.log(u) + q * torch.log(v)
+    part = torch.exp(log_front) * _continued_fraction(p, q, u) / p
+    half = 0.5 * torch.where(swap, 1.0 - part, part)
+    return torch.where(t >= 0, half, 1.0 - half)
+
+
+def holm(p: torch.Tensor) -> torch.Tensor:
+    """Holm's step-down adjusted p-values of the 1-D ``p``: a test is rejected at level ``alpha``
+    by Holm's procedure exactly when its adjusted p-value is at most ``alpha``."""
+    m = p.numel()
+    order = torch.argsort(p)
+    scaled = (p[order] * torch.arange(m, 0, -1, dtype=p.dtype)).clamp(max=1.0)
+    adjusted = torch.empty_like(p)
+    adjusted[order] = torch.cummax(scaled, 0)[0] if m else scaled
+    return adjusted
+
+
+@dataclass
+class Worst:
+    """One channel's figures: its stored and measured value of one statistic, the drift (mean
+    in std units, variance relative), the drift's standard error in the same units, the
+    tolerance and the Holm-adjusted p-value of "the true drift is within the tolerance"."""
+
+    channel: int
+    statistic: str
+    stored: float
+    measured: float
+    drift: float
+    stderr: float
+    tolerance: float
+    p: float
+
+    def describe(self) -> str:
+        what, unit = ("mean", "std") if self.statistic == "mean" else ("variance", "relative")
+        return ("channel {}'s {}: stored {:.6g}, measured {:.6g}: drift {:.3g} ({}), tolerance {:g}, standard "
+                "error {:.2g}; p = {:.2g}").format(self.channel, what, self.stored, self.measured, self.drift, unit,
+                                                   self.tolerance, self.stderr, self.p)
+
+
+@dataclass
+class LayerFit:
+    """One layer's verdict. Per statistic (``"mean"``, ``"var"``), each channel's drift and its
+    standard error in the tolerance's units, its p-value ``unadjusted`` and Holm-adjusted
+    (``p``): NaN where the channel was not tested (see :data:`DEFINITIONS`), everywhere when the
+    layer never ran."""
+
+    layer: LayerReport
+    drift: Dict[str, torch.Tensor]
+    stderr: Dict[str, torch.Tensor]
+    unadjusted: Dict[str, torch.Tensor]
+    p: Dict[str, torch.Tensor]
+    rule: Rule
+
+    @property
+    def name(self) -> str:
+        return self.layer.name
+
+    @property
+    def tested(self) -> int:
+        """Channels with at least one statistic tested."""
+        return int((~self.p["mean"].isnan() | ~self.p["var"].isnan()).sum())
+
+    def off(self, statistic: str) -> List[int]:
+        """Channels whose ``statistic`` (``"mean"`` or ``"var"``) is off."""
+        return (self.p[statistic] <= self.rule.alpha).nonzero().reshape(-1).tolist()
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.off("mean") or self.off("var"))
+
+    @property
+    def verdict(self) -> str:
+        if not self.layer.ran:
+            return "never ran"
+        return "stale" if self.stale else ("fits" if self.tested else "untested")
+
+    def smallest_p(self, statistic: str) -> Optional[float]:
+        p = self.p[statistic][~self.p[statistic].isnan()]
+        return float(p.min()) if p.numel() else None
+
+    @property
+    def worst(self) -> Optional[Worst]:
+        """The channel and statistic with the smallest adjusted p-value (among equals, the
+        largest drift in standard errors); None when nothing was tested."""
+        p = torch.stack([self.p[key] for key in STATISTICS])
+        if not p.numel() or bool(p.isnan().all()):
+            return None
+        p = torch.where(p.isnan(), torch.full_like(p, math.inf), p)
+        excess = torch.stack([self.drift[key] / self.stderr[key] for key in STATISTICS])
+        excess = torch.where(p == p.min(), excess, torch.full_like(excess, -math.inf))
+        index, channel = divmod(int(excess.argmax()), p.shape[1])
+        stored, measured = (self.layer.old_mean, self.layer.new_mean) if index == 0 else \
+            (self.layer.old_var, self.layer.new_var)
+        assert measured is not None
+        key = STATISTICS[index]
+        return Worst(channel, key, float(stored[channel]), float(measured[channel]), float(self.drift[key][channel]),
+                     float(self.stderr[key][channel]), self.rule.tolerance[index], float(p[index, channel]))
+
+    def to_dict(self) -> Dict[str, Any]:
+        worst = self.worst
+        return {"name": self.name, "verdict": self.verdict, "channels": int(self.layer.old_mean.numel()),
+                "tested": self.tested, "mean_drift": self.layer.mean_drift, "var_drift": self.layer.var_drift,
+                "mean_p": self.smallest_p("mean"), "var_p": self.smallest_p("var"),
+                "mean_off": self.off("mean"), "var_off": self.off("var"),
+                "worst": None if worst is None else vars(worst)}
+
+
+Tests = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
+
+
+def _interval_p(estimate: torch.Tensor, low: float, high: float, se: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
+    """The p-value of "the true value lies in [low, high]" for ``estimate`` of standard error
+    ``se``: at the nearest edge, the chance of landing this far outside on either side."""
+    outside = torch.max(estimate - high, low - estimate) / se
+    return (t_tail(outside, dof) + t_tail(outside + (high - low) / se, dof)).clamp(max=1.0)
+
+
+def _tests(layer: LayerReport, rule: Rule) -> Tests:
+    """Per statistic, each channel's drift and standard error in the tolerance's units and its
+    p-value before Holm's adjustment (NaN where it cannot be tested, see :data:`DEFINITIONS`).
+
+    The mean is tested on its offset in std units; the variance on the log of its ratio
+    ``(stored + eps) / (measured + eps)`` (the relative drift is that ratio minus 1), whose
+    Student's t is far closer to the truth than the ratio's own for skewed per-call variances."""
+    if not layer.ran:
+        nan = torch.full(layer.old_mean.shape, math.nan, dtype=torch.float64)
+        return {key: nan for key in STATISTICS}, {key: nan for key in STATISTICS}, {key: nan for key in STATISTICS}
+    assert layer.new_mean is not None and layer.new_var is not None
+    assert layer.mean_stderr is not None and layer.var_stderr is not None
+    scale = layer.new_var + layer.eps
+    stored = layer.old_var + layer.eps
+    offset = (layer.old_mean - layer.new_mean) / scale.sqrt()
+    inf = torch.full_like(scale, math.inf)  # a stored NaN or inf, or a negative variance, is off
+    mean_ok, var_ok = torch.isfinite(layer.old_mean), torch.isfinite(layer.old_var) & (stored > 0)
+    estimates = {"mean": torch.where(mean_ok, offset, inf), "var": torch.where(var_ok, (stored / scale).log(), inf)}
+    drift = {"mean": torch.where(mean_ok, offset.abs(), inf), "var": torch.where(var_ok, (stored / scale - 1).abs(), inf)}
+    stderr = {"mean": PAIRED * layer.mean_stderr / scale.sqrt(), "var": PAIRED * layer.var_stderr / scale}
+    mean_tol, var_tol = rule.tolerance
+    bounds = {"mean": (-mean_tol, mean_tol), "var": (math.log1p(-var_tol) if var_tol < 1 else -math.inf,
+                                                     math.log1p(var_tol))}
+    dof = torch.tensor(min(float(layer.calls - 1), MAX_DOF), dtype=torch.float64)
+    trusted = layer.new_var > 0
+    trusted[layer.se_untrusted] = False
+    raw = {}
+    for key in STATISTICS:
+        tested = trusted & (stderr[key] > 0)  # False for NaN (a single call)
+        raw[key] = torch.full_like(scale, math.nan)
+        raw[key][tested] = _interval_p(estimates[key][tested], *bounds[key], stderr[key][tested], dof)
+    return drift, stderr, raw
+
+
+@dataclass
+class CheckReport:
+    """What :func:`precise_bn.check` found: ``stale`` names the layers whose stored statistics
+    do not fit; ``layers`` holds each layer's verdict, ``measured`` the measurement (a
+    :class:`~precise_bn.BNReport`: ``old_*`` stored, ``new_*`` measured). ``tests`` counts the
+    tests Holm's procedure was run over."""
+
+    layers: List[LayerFit]
+    measured: BNReport
+    rule: Rule
+    tests: int
+
+    @property
+    def stale(self) -> List[str]:
+        return [fit.name for fit in self.layers if fit.stale]
+
+    def __getitem__(self, name: str) -> LayerFit:
+        for fit in self.layers:
+            if fit.name == name:
+                return fit
+        raise KeyError(name)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"stale": self.stale, "tolerance": {"mean": self.rule.tolerance[0], "var": self.rule.tolerance[1]},
+                "alpha": self.rule.alpha, "tests": self.tests, "definitions": dict(DEFINITIONS),
+                "layers": [fit.to_dict() for fit in self.layers], "measurement": self.measured.to_dict(True)}
+
+    def summary(self) -> str:
+        m = self.measured
+        stale = self.stale
+        return ("precise-bn check: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}; tolerance: mean "
+                "{:g} std, variance {:g} relative; alpha {:g} over {} tests (Holm); {}").format(
+            len(self.layers), "" if len(self.layers) == 1 else "s", m.batches, "" if m.batches == 1 else "es",
+            m.samples, m.world_size, self.rule.tolerance[0], self.rule.tolerance[1], self.rule.alpha, self.tests,
+            "{} stale: {}".format(len(stale), ", ".join(stale)) if stale else "every layer fits")
+
+    def __str__(self) -> str:
+        width = max([len("layer")] + [len(fit.name) for fit in self.layers])
+        line = "{:<{w}}  {:>8}  {:>10}  {:>8}  {:>10}  {:>8}  {}"
+        rows = [self.summary(), line.format("layer", "channels", "mean drift", "mean p", "var drift", "var p",
+                                            "verdict", w=width)]
+        for fit in self.layers:
+            channels = "{}/{}".format(fit.tested, fit.layer.old_mean.numel())
+            rows.append(line.format(fit.name, channels, "{:.4g}".format(fit.layer.mean_drift),
+                                    _p_cell(fit.smallest_p("mean")), "{:.4g}".format(fit.layer.var_drift),
+                                    _p_cell(fit.smallest_p("var")), fit.verdict, w=width))
+        titles = [("channels", "channels_tested"), ("mean drift", "mean_drift"), ("var drift", "var_drift"),
+                  ("mean p, var p", "p")]
+        rows += ["  {:<13}  {}".format(title, DEFINITIONS[key]) for title, key in titles]
+        return "\n".join(rows)
+
+
+def _p_cell(value: Optional[float]) -> str:
+    return "-" if value is None else "{:.2g}".format(value)
+
+
+#: What the check's numbers mean; printed under its table and in its JSON report.
+DEFINITIONS = {
+    "channels_tested": "channels tested / channels: a channel with no variance on the data, or whose standard "
+                       "errors are zero or cannot be trusted (se_untrusted), is not tested",
+    "mean_drift": "largest |stored mean - measured mean| / sqrt(measured var + eps) over the layer's channels",
+    "var_drift": "largest |stored var - measured var| / (measured var + eps) over the layer's channels",
+    "p": "smallest over the layer's channels of the Holm-adjusted p-value of \"the true drift is within the "
+         "tolerance\" (Student's t, the measured standard error counted for both sides); the layer is stale when "
+         "it is at most alpha",
+}
+
+
+def judge(measured: BNReport, rule: Rule) -> CheckReport:
+    """The verdict of ``rule`` on a measurement whose old statistics are the stored ones: every
+    channel's p-values, adjusted by Holm's procedure over all the tests of the model."""
+    tests = [_tests(layer, rule) for layer in measured.layers]
+    raw = [p[key] for _, _, p in tests for key in STATISTICS]
+    flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64)
+    tested = ~flat.isnan()
+    adjusted = flat.clone()
+    adjusted[tested] = holm(flat[tested])
+    pieces = iter(adjusted.split([p.numel() for p in raw]))
+    fits = [LayerFit(layer, drift, stderr, unadjusted, {key: next(pieces) for key in STATISTICS}, rule)
+            for layer, (drift, stderr, unadjusted) in zip(measured.layers, tests)]
+    return CheckReport(fits, measured, rule, int(tested.sum()))
