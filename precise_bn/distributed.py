@@ -7,20 +7,22 @@ Why a process group of our own: collectives are matched by order alone within a 
 model's own collectives (FSDP's all-gathers, ZeRO's) issued on the user's group while one rank
 has run out of data would pair with that rank's round: gloo aborts on the size mismatch, or,
 worse, a shard the size of a header is read as one. The rounds therefore run on a
-``new_group`` over the same ranks, made once per default group and reused
-(:func:`channel_for`). A group the user passes as ``group=`` is used as it is: making a group
-of our own from it would need every process of the job to take part. Every header also
-carries a tag (which round) and a sequence number, so ranks out of step raise
+``new_group`` over the same ranks, made once per default group, within the call's ``timeout``,
+and reused (:func:`channel_for`). A group the user passes as ``group=`` is used as it is:
+making a group of our own from it would need every process of the job to take part. Every
+header also carries a tag (which round) and a sequence number, so ranks out of step raise
 :class:`DistributedError` naming both sides instead of mixing rounds.
 
 Why rounds of fixed-size headers: ``all_gather`` needs equal sizes on every rank. Each round
-starts with every rank's header (tag, sequence, status, batches and samples so far, layout
-fingerprint), so every rank sees the same facts and takes the same decision: go on, merge, or
-raise the same :class:`DistributedError`. A rank that fails, at any point of its call, answers
-the round the others are in with a FAILED header (:meth:`Ranks.abort`); a rank that died or
-hangs is given up after ``timeout`` seconds, and the error says which. After a timeout the
-group of our own is dropped (an abandoned collective may still be pending in it) and the next
-call makes a new one; the user's group is untouched and stays usable.
+starts with every rank's header (tag, sequence, status, batches and samples so far, and in the
+first round a digest of the call's :func:`fingerprint`), so every rank sees the same facts and
+takes the same decision: go on, merge, or raise the same :class:`DistributedError`. Digests
+that differ are followed by one more fixed-size round carrying each field of every rank's
+fingerprint, so that every rank names the same fields and values. A rank that fails, at any
+point of its call, answers the round the others are in with a FAILED header
+(:meth:`Ranks.abort`); a rank that died or hangs is given up after ``timeout`` seconds, and the
+error says which. After a timeout the group of our own is dropped (an abandoned collective may
+still be pending in it) and the next call makes a new one; the user's group is untouched.
 
 Why a merge in rank order instead of ``all_reduce(SUM)`` of moments: a floating-point
 all-reduce sums in an order the backend chooses, which can differ between ranks and runs.
@@ -33,21 +35,29 @@ per layer (the ``rtol`` stop) exchanges only that (:meth:`Ranks.worst`).
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import math
-import zlib
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import slices
+from ._version import __version__
 from .errors import DistributedError
 from .estimator import PopulationStats
-from .options import DEFAULT_TIMEOUT
+from .options import DEFAULT_TIMEOUT, Options
 
 ACTIVE, DONE, FAILED = 0, 1, 2
 #: The rounds' tags, in the order a call plays them; ``abort`` answers any round.
 ROUNDS = ("start", "pass", "end", "abort")
-_HEADER = 8
+_HEADER = 6
+#: The options every rank of a call must share: they shape the result or the rounds.
+AGREED_OPTIONS = ("num_batches", "num_samples", "rtol", "min_batches", "unbiased", "exact", "prior", "sync",
+                  "autocast")
+#: The round after differing digests: this many fingerprint fields at most, each in this many
+#: bytes (an 8-byte digest of the whole field, then its text, cut if longer).
+_SLOTS, _SLOT_BYTES = 16, 256
 #: Waits at least this long are no limit (``timedelta`` cannot hold much more).
 NO_LIMIT_S = 10 * 365 * 86400.0
 
@@ -123,22 +133,40 @@ class Channel:
 _channels: Dict[Any, Channel] = {}
 
 
-def channel_for(group: Any = None) -> Channel:
-    """The rounds' channel for ``group``: for the default group, a group of our own over the
-    same ranks, made on first use (a collective of every rank) and reused; any other group as
-    it is."""
+def channel_for(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Channel:
+    """The rounds' channel for ``group``: for the default group, a gloo group of our own over
+    the same ranks, made on first use (a collective of every rank, given up after ``timeout``
+    seconds) and reused, its own collectives then limited to the ``timeout`` of each call;
+    any other group as it is."""
     dist = _dist()
     world = dist.group.WORLD
     key = world if group is None or group is world else group
     channel = _channels.get(key)
-    if channel is None:
-        if key is world:
-            own = dist.new_group(timeout=datetime.timedelta(seconds=NO_LIMIT_S))
-            channel = Channel(own, own=True)
-        else:
-            channel = Channel(group, own=False)
-        _channels[key] = channel
+    if channel is None and key is world:
+        # gloo where it can meet (MPI has no store): a gloo wait that times out raises, where
+        # NCCL's watchdog would end the process
+        backend = "gloo" if dist.is_gloo_available() and dist.get_backend() != "mpi" else None
+        try:
+            channel = Channel(dist.new_group(timeout=_group_timeout(timeout), backend=backend), own=True)
+        except RuntimeError as exc:
+            raise _gave_up(get_rank(), "creation of precise-bn's process group", timeout, exc) from exc
+    elif channel is None:
+        channel = Channel(group, own=False)
+    elif channel.own and hasattr(dist, "set_timeout"):  # older torch: the timeout it was made with
+        dist.set_timeout(_group_timeout(timeout), channel.group)
+    _channels[key] = channel
     return channel
+
+
+def _group_timeout(seconds: float) -> datetime.timedelta:
+    return wait_limit(seconds) or datetime.timedelta(seconds=NO_LIMIT_S)
+
+
+def _gave_up(rank: int, what: str, timeout: float, exc: BaseException) -> DistributedError:
+    return DistributedError(
+        "rank {}: the {} with the other ranks failed or waited more than {:g} s (a rank died, hangs, or "
+        "left early or never made this call; timeout= sets the wait): {}".format(
+            rank, what, timeout, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
 
 
 def forget_channel(channel: Channel) -> None:
@@ -148,22 +176,28 @@ def forget_channel(channel: Channel) -> None:
             del _channels[key]
 
 
-def layout(stats: Sequence[PopulationStats]) -> Tuple[int, int, int]:
-    """(layers, channels, CRC32 of names and widths): equal on ranks that merge alike.
+def fingerprint(opts: Options, stats: Sequence[PopulationStats]) -> Dict[str, str]:
+    """What every rank of a call must share, as text by name: the layers with their widths
+    (none included), the :data:`AGREED_OPTIONS`, and the package version."""
+    widths = ", ".join("{}:{}".format(s.name, s.num_channels) for s in stats)
+    fields = {"layers": "{} layer(s), {} channels ({})".format(len(stats), sum(s.num_channels for s in stats),
+                                                                 widths or "none")}
+    fields.update((name, repr(getattr(opts, name))) for name in AGREED_OPTIONS)
+    fields["precise-bn version"] = __version__
+    return fields
 
-    A CRC32 is below 2**32, so it travels exactly in float64.
-    """
-    text = "|".join("{}:{}".format(s.name, s.num_channels) for s in stats)
-    return len(stats), sum(s.num_channels for s in stats), zlib.crc32(text.encode("utf-8"))
+
+def _digest(text: str, size: int) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=size).digest()
 
 
 class Header(NamedTuple):
-    """One rank's header in a round."""
+    """One rank's header in a round (``fingerprint``: a digest below 2**48, exact in float64)."""
 
     status: int
     batches: int
     samples: int
-    layout: Tuple[int, int, int]
+    fingerprint: int = 0
     tag: int = 0
     seq: int = 0
 
@@ -182,10 +216,10 @@ class Ranks:
     """The rounds of one call across the ranks of ``group`` (the identity on one process).
 
     Every rank runs the same sequence of rounds; :meth:`exchange` raises
-    :class:`DistributedError` on every rank alike when any rank reported a failure, the ranks
-    are out of step, or they disagree on the layout. After a rank raised, :meth:`abort` sends
-    no more rounds. ``received`` counts the bytes this rank's collectives received from the
-    other ranks.
+    :class:`DistributedError` on every rank alike when any rank reported a failure or the ranks
+    are out of step, and :meth:`start` when they disagree on the call. After a rank raised,
+    :meth:`abort` sends no more rounds. ``received`` counts the bytes this rank's collectives
+    received from the other ranks.
     """
 
     def __init__(self, enabled: bool, group: Any = None, timeout: float = DEFAULT_TIMEOUT):
@@ -195,8 +229,8 @@ class Ranks:
         self.finished = self.world == 1
         self.received = 0
         self.rank = get_rank(group) if self.world > 1 else 0
-        self.channel = channel_for(group) if self.world > 1 else None
-        self.device = collective_device(group) if self.world > 1 else torch.device("cpu")
+        self.channel = channel_for(group, timeout) if self.world > 1 else None
+        self.device = collective_device(self.channel.group) if self.channel else torch.device("cpu")
 
     def finish(self) -> None:
         """This rank played its last round of the call: :meth:`abort` sends nothing any more."""
@@ -213,11 +247,7 @@ class Ranks:
         except RuntimeError as exc:
             self.finished = True  # no rank can be waited for again on this group
             forget_channel(self.channel)
-            raise DistributedError(
-                "rank {}: the {} with the other ranks failed or waited more than {:g} s (a rank "
-                "died, hangs, or left early; timeout= sets the wait): {}".format(
-                    self.rank, what, self.timeout, str(exc).splitlines()[0] if str(exc) else exc)
-            ) from exc
+            raise _gave_up(self.rank, what, self.timeout, exc) from exc
         self.received += out.numel() * out.element_size() * (self.world - 1) // self.world
         return out.cpu()
 
@@ -228,19 +258,18 @@ class Ranks:
         out = self._run(lambda g: _dist().all_gather(parts, tensor, group=g, async_op=True), out, what)
         return list(out.view(self.world, -1))
 
-    def exchange(self, status: int, batches: int = 0, samples: int = 0,
-                 layout_: Tuple[int, int, int] = (0, 0, 0), round_: str = "pass") -> List[Header]:
+    def exchange(self, status: int, batches: int = 0, samples: int = 0, round_: str = "pass",
+                 fingerprint_: int = 0) -> List[Header]:
         """One round of headers; returns every rank's, in rank order."""
         tag = ROUNDS.index(round_)
         if self.world == 1:
-            return [Header(status, batches, samples, layout_, tag)]
+            return [Header(status, batches, samples, fingerprint_, tag)]
         assert self.channel is not None
         seq = self.channel.seq
         self.channel.seq += 1
-        mine = torch.tensor([status, batches, samples, *layout_, tag, seq], dtype=torch.float64)
+        mine = torch.tensor([status, batches, samples, fingerprint_, tag, seq], dtype=torch.float64)
         assert mine.numel() == _HEADER
-        headers = [Header(int(h[0]), int(h[1]), int(h[2]), (int(h[3]), int(h[4]), int(h[5])), int(h[6]), int(h[7]))
-                   for h in (part.tolist() for part in self._gather(mine, "exchange of status"))]
+        headers = [Header(*map(int, part.tolist())) for part in self._gather(mine, "exchange of status")]
         failed = [rank for rank, h in enumerate(headers) if h.status == FAILED]
         if failed:
             self.finished = True
@@ -255,14 +284,27 @@ class Ranks:
                 "ranks out of step: rank {} is at round {} ({}) but rank {} sent round {} ({}); every "
                 "rank must make the same precise-bn calls with the same options, in the same "
                 "order".format(self.rank, seq, round_, rank, other.seq, _round_name(other.tag)))
-        layouts = {h.layout for h in headers if h.layout != (0, 0, 0)}
-        if len(layouts) > 1:
-            self.finished = True
-            raise DistributedError(
-                "ranks disagree on the BatchNorm layers to merge: (layers, channels, checksum of names "
-                "and widths) per rank = {}; every rank must recalibrate the same layers of the same "
-                "model".format([h.layout for h in headers]))
         return headers
+
+    def start(self, fields: Mapping[str, str]) -> None:
+        """The first round of a call; raises :class:`DistributedError` on every rank alike, as
+        :meth:`exchange` does, and when the ranks' ``fields`` (see :func:`fingerprint`) differ,
+        naming each field that differs and every rank's value of it."""
+        digest = int.from_bytes(_digest(json.dumps(list(fields.items())), 6), "big")
+        headers = self.exchange(ACTIVE, round_="start", fingerprint_=digest)
+        if len({h.fingerprint for h in headers}) == 1:
+            return
+        self.finished = True
+        table = [_decode(part) for part in self._gather(_encode(fields), "exchange of the call's options")]
+        names = list(dict.fromkeys(name for fields_ in table for name in fields_))
+        differ = []
+        for name in names:
+            values = [fields_.get(name, (b"", "(none)")) for fields_ in table]
+            if len({digest for digest, _ in values}) > 1:
+                differ.append("{} ({})".format(name, _by_value(values)))
+        raise DistributedError(
+            "ranks disagree on {}; every rank must make the same call: the same options on the same BatchNorm "
+            "layers, with the same precise-bn version".format("; ".join(differ)))
 
     def merge_part(self, stats: Sequence[PopulationStats]) -> Part:
         """This rank's slice of the channels, merged over every rank in rank order (see
@@ -317,6 +359,52 @@ class Ranks:
             self.exchange(FAILED, round_="abort")
         except DistributedError:
             pass
+
+
+def _encode(fields: Mapping[str, str]) -> torch.Tensor:
+    """``fields`` in :data:`_SLOTS` slots of :data:`_SLOT_BYTES` bytes: the digest of
+    ``name NUL value``, then as much of that text as fits."""
+    assert len(fields) <= _SLOTS
+    out = torch.zeros(_SLOTS, _SLOT_BYTES, dtype=torch.uint8)
+    for slot, (name, value) in zip(out, fields.items()):
+        text = "{}\0{}".format(name, value)
+        data = _digest(text, 8) + text.encode("utf-8")[: _SLOT_BYTES - 8]
+        slot[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return out.reshape(-1)
+
+
+def _decode(part: torch.Tensor) -> Dict[str, Tuple[bytes, str]]:
+    """One rank's :func:`_encode`: name -> (digest, value as far as it fitted)."""
+    fields = {}
+    for slot in part.view(_SLOTS, _SLOT_BYTES).tolist():
+        body = bytes(slot[8:]).rstrip(b"\0")
+        if body:
+            name, _, value = body.decode("utf-8", errors="ignore").partition("\0")
+            fields[name] = (bytes(slot[:8]), value + ("..." if len(body) == _SLOT_BYTES - 8 else ""))
+    return fields
+
+
+def _by_value(values: Sequence[Tuple[bytes, str]]) -> str:
+    """``value on ranks 0-2, 5; other on rank 3``: the ranks that share each value (values cut
+    alike are told apart by their digests)."""
+    ranks: Dict[bytes, List[int]] = {}
+    for rank, (digest, _) in enumerate(values):
+        ranks.setdefault(digest, []).append(rank)
+    shown = dict(values)
+    alike = len(set(shown.values())) < len(shown)
+    return "; ".join("{}{} on {}".format(shown[digest], " (digest {})".format(digest.hex()) if alike else "",
+                                         _ranks_text(members)) for digest, members in ranks.items())
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    runs: List[List[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(str(a) if a == b else "{}-{}".format(a, b) for a, b in runs)
+    return "rank{} {}".format("s" if len(ranks) > 1 else "", text)
 
 
 def _round_name(tag: int) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List
 import torch
 
 from .data import batches_for_samples, planned_batches
-from .distributed import ACTIVE, DONE, Ranks, layout, resolve_sync
+from .distributed import ACTIVE, DONE, Ranks, fingerprint, resolve_sync
 from .buffers import check_fits
 from .errors import EmptyDataError, warn
 from .estimator import PopulationStats, pool_with_prior
@@ -301,8 +301,8 @@ def recalibrate(
     try:
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
         backend = make_backend()
-        ranks.exchange(ACTIVE, layout_=layout(backend.collect()), round_="start")
-        if not backend.names:
+        ranks.start(fingerprint(opts, backend.collect()))
+        if not backend.names:  # on every rank: the first round compared the layers
             logger.warning("%s: nothing to recompute: %s", label, backend.empty_reason)
             ranks.finish()
             return BNReport(world_size=ranks.world, estimator=backend.estimator)

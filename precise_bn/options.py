@@ -85,6 +85,27 @@ def _autocast(value: Any) -> None:
                           "got {!r}".format(value))
 
 
+def _group(group: Any, sync: Optional[bool]) -> None:
+    """Unless ``sync`` is False, refuse a ``group`` that does not contain this process
+    (``new_group`` returns a placeholder on the ranks it leaves out), naming it."""
+    if group is None or sync is False:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    try:
+        inside = group is not outside and dist.get_rank(group) >= 0
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConfigError("group={!r} is not a process group of this job: {}".format(group, exc)) from exc
+    if not inside:
+        raise ConfigError(
+            "group={} does not contain this process (rank {} of the default group): new_group returns it on the "
+            "ranks it leaves out; pass sync=False on those ranks, or a group that contains this one".format(
+                "GroupMember.NON_GROUP_MEMBER" if group is outside else repr(group), dist.get_rank()))
+
+
 def _timeout(value: Any) -> float:
     """Seconds; ``None`` and ``float("inf")`` are no limit (``math.inf``). A positive value is
     never rounded down to 0, which backends read as no limit."""
@@ -157,6 +178,7 @@ class Options:
         _flag("exact", self.exact)
         _autocast(self.autocast)
         _flag("sync", self.sync, allow_none=True)
+        _group(self.group, self.sync)
         _flag("unbiased", self.unbiased)
         _flag("progress", self.progress, allow_none=True)
         if self.rtol is not None:

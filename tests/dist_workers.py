@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import time
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from precise_bn import BatchNormHelper, PopulationStats, PreciseBNHook, recompute
+from precise_bn import distributed
 from precise_bn.distributed import Ranks
+from precise_bn.options import Options
 
 Result = Dict[str, Any]
 
@@ -158,6 +161,63 @@ def _subgroup(rank: int, world: int) -> Result:
     return outcome(model, recompute(model, rank_batches(UNEVEN, rank), **options))
 
 
+def no_bn_model() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 6 * 6, 2))
+
+
+def _no_layer_on_rank_1(rank: int, world: int) -> Result:
+    """Rank 1's model has no BatchNorm layer: every rank raises at once; the next call works."""
+    model = make_model()
+    mine = no_bn_model() if rank == 1 else model
+    out = raised(model, lambda: recompute(mine, rank_batches(UNEVEN, rank), timeout=LONG_TIMEOUT))
+    out["again"] = _plain(rank, world, timeout=LONG_TIMEOUT)
+    return out
+
+
+def _no_layer_anywhere(rank: int, world: int) -> Result:
+    """No rank has a BatchNorm layer: every rank returns an empty report; the next call works."""
+    report = recompute(no_bn_model(), rank_batches(UNEVEN, rank), timeout=LONG_TIMEOUT)
+    return {"layers": len(report.layers), "world_size": report.world_size,
+            "again": _plain(rank, world, timeout=LONG_TIMEOUT)}
+
+
+#: One option rank 1 sets differently from the other ranks, per scenario ``disagree_<option>``.
+DISAGREEING: Dict[str, Any] = {"rtol": 0.5, "min_batches": 32, "unbiased": True, "exact": True, "num_batches": 2,
+                               "num_samples": 5, "prior": 4.0, "sync": True, "autocast": torch.bfloat16}
+
+
+def _disagree(option: str) -> Callable[[int, int], Result]:
+    def scenario(rank: int, world: int) -> Result:
+        model = make_model()
+        options = {option: DISAGREEING[option]} if rank == 1 else {}
+        return raised(model, lambda: recompute(model, rank_batches(UNEVEN, rank), timeout=LONG_TIMEOUT, **options))
+    return scenario
+
+
+def _other_version(rank: int, world: int) -> Result:
+    """Rank 1 runs another precise-bn version."""
+    model = make_model()
+    saved = distributed.__version__
+    distributed.__version__ = "0.0.1" if rank == 1 else saved
+    try:
+        return raised(model, lambda: recompute(model, rank_batches(UNEVEN, rank), timeout=LONG_TIMEOUT))
+    finally:
+        distributed.__version__ = saved
+
+
+def _outside_group(rank: int, world: int) -> Result:
+    """``group=`` a group of rank 0 alone: refused on the other ranks before any round (the
+    scenarios after it would be out of step otherwise), unless they also pass ``sync=False``."""
+    group = dist.new_group([0])  # a collective: every rank creates it
+    model = make_model()
+    out = raised(model, lambda: recompute(model, rank_batches(UNEVEN, rank), group=group, timeout=LONG_TIMEOUT))
+    out["options"] = raised(model, lambda: Options(group=group))
+    alone = make_model()
+    out["alone"] = outcome(alone, recompute(alone, rank_batches(UNEVEN, rank), group=group,
+                                            sync=False if rank else None))
+    return out
+
+
 def _layout_mismatch(rank: int, world: int) -> Result:
     model = make_model()
     layers = None if rank == 0 else bn_names(model)[:1]
@@ -284,6 +344,11 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "syncbn": _syncbn,
     "subgroup": _subgroup,
     "layout_mismatch": _layout_mismatch,
+    "no_layer_on_rank_1": _no_layer_on_rank_1,
+    "no_layer_anywhere": _no_layer_anywhere,
+    **{"disagree_" + option: _disagree(option) for option in DISAGREEING},
+    "other_version": _other_version,
+    "outside_group": _outside_group,
     "undo": _undo,
     # Last: if a rank's failure were not propagated, the others would wait until the timeout.
     "failure": _failure,
@@ -353,23 +418,71 @@ class _DyingLoader(_FailingLoader):
     def __iter__(self):
         for batch in self.batches[: self.good]:
             yield batch
-        os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _killed_rank(rank: int, world: int, init_file: str, out_dir: str, timeout: float) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+def timed(model: nn.Module, run: Callable[[], Any]) -> Result:
+    """:func:`raised`, and how many seconds ``run`` took."""
+    start = time.monotonic()
+    out = raised(model, run)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _killed_mid_pass(rank: int, world: int, timeout: float) -> Result:
+    """Rank 1 dies after its first batch."""
     model = make_model()
     batches = rank_batches(UNEVEN, rank) * 20
     loader = _DyingLoader(batches, good=1) if rank == 1 else batches
-    result = raised(model, lambda: recompute(model, loader, timeout=timeout))
-    torch.save(result, os.path.join(out_dir, "killed{}.pt".format(rank)))
-    os._exit(0)
+    return raised(model, lambda: recompute(model, loader, timeout=timeout))
 
 
-def spawn_killed(tmp_dir: str, timeout: float, spawn_timeout: float) -> List[Result]:
-    """Two ranks, rank 1 dies mid-pass; returns what rank 0 (and nothing of rank 1) reported."""
-    context = mp.spawn(_killed_rank, args=(2, os.path.join(tmp_dir, "store"), tmp_dir, timeout), nprocs=2,
+def _late_first_call(rank: int, world: int, timeout: float, stall: float) -> Result:
+    """Rank 2 makes its first call ``stall`` seconds late: the others give up within the
+    timeout. Once every rank is past that call (a barrier on the user's group), the next call
+    works on every rank; then rank 2 leaves and the others' next call raises too."""
+    model = make_model()
+    if rank == 2:
+        time.sleep(stall)
+    out = {"first": timed(model, lambda: recompute(model, rank_batches(UNEVEN, rank), timeout=timeout))}
+    dist.barrier()
+    out["again"] = _plain(rank, world, timeout=LONG_TIMEOUT)
+    if rank != 2:
+        out["third"] = timed(model, lambda: recompute(model, rank_batches(UNEVEN, rank), timeout=timeout))
+    return out
+
+
+def _two_never_call(rank: int, world: int, timeout: float) -> Result:
+    """Of four ranks, rank 3 is killed and rank 2 leaves, neither having called; ranks 0 and 1
+    call twice."""
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2:
+        return {}
+    model = make_model()
+    return {call: timed(model, lambda: recompute(model, rank_batches(UNEVEN, rank), timeout=timeout))
+            for call in ("first", "second")}
+
+
+ALONE: Dict[str, Callable[..., Result]] = {
+    "killed_mid_pass": _killed_mid_pass,
+    "late_first_call": _late_first_call,
+    "two_never_call": _two_never_call,
+}
+
+
+def _alone(rank: int, world: int, init_file: str, out_dir: str, name: str, kwargs: Dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    result = ALONE[name](rank, world, **kwargs)
+    torch.save(result, os.path.join(out_dir, "alone{}.pt".format(rank)))
+    os._exit(0)  # no destroy_process_group: it would wait for ranks that are gone
+
+
+def spawn_alone(name: str, world: int, tmp_dir: str, spawn_timeout: float, **kwargs: Any) -> List[Optional[Result]]:
+    """Run the scenario ``ALONE[name](rank, world, **kwargs)`` on ``world`` fresh gloo ranks,
+    each killed past ``spawn_timeout`` s; returns each rank's result (None where it saved none)."""
+    context = mp.spawn(_alone, args=(world, os.path.join(tmp_dir, "store"), tmp_dir, name, kwargs), nprocs=world,
                        join=False)
     deadline = time.monotonic() + spawn_timeout
     for process in context.processes:
@@ -377,5 +490,5 @@ def spawn_killed(tmp_dir: str, timeout: float, spawn_timeout: float) -> List[Res
         if process.is_alive():
             process.kill()
             process.join()
-    path = os.path.join(tmp_dir, "killed0.pt")
-    return [torch.load(path) if os.path.exists(path) else {"error": "rank 0 never finished"}]
+    paths = [os.path.join(tmp_dir, "alone{}.pt".format(rank)) for rank in range(world)]
+    return [torch.load(path) if os.path.exists(path) else None for path in paths]

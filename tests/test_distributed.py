@@ -24,6 +24,7 @@ import dist_workers as W
 import precise_bn
 from precise_bn import PopulationStats, recompute
 from precise_bn import distributed
+from precise_bn.options import OPTION_FIELDS, Options
 from reference import assert_close_exact, float64_reference
 
 SPAWN_TIMEOUT_S = 900.0  # a hang guard: a spawn takes seconds
@@ -210,11 +211,101 @@ def test_any_exception_on_one_rank_makes_every_rank_fail_together(world_runs, na
 
 
 def test_a_killed_rank_makes_the_others_raise_within_the_timeout(tmp_path):
-    """Rank 1 dies (os._exit) in the middle of its data: rank 0 raises DistributedError, wrapping
+    """Rank 1 is killed in the middle of its data: rank 0 raises DistributedError, wrapping
     the backend's error, instead of waiting for gloo's half hour."""
-    per_rank = W.spawn_killed(str(tmp_path), timeout=5.0, spawn_timeout=SPAWN_TIMEOUT_S)
-    assert per_rank[0]["error"] == "DistributedError", per_rank[0]
-    assert "rank 0" in per_rank[0]["message"] and per_rank[0]["unchanged"]
+    result, killed = W.spawn_alone("killed_mid_pass", 2, str(tmp_path), SPAWN_TIMEOUT_S, timeout=5.0)
+    assert killed is None and result is not None, "rank 0 never finished"
+    assert result["error"] == "DistributedError", result
+    assert "rank 0" in result["message"] and result["unchanged"]
+
+
+def test_a_rank_without_bn_layers_fails_every_rank_at_once_and_the_next_call_works(world_runs):
+    """Rank 1's model has no BatchNorm layer: every rank raises, told in the first round (not
+    timed out), naming each rank's layers; no rank is left out of step for the next call."""
+    world, per_rank = scenario(world_runs, "no_layer_on_rank_1")
+    for result in per_rank:
+        assert result["error"] == "DistributedError" and result["unchanged"], result
+        message = result["message"]
+        assert "disagree on layers" in message and "waited" not in message, message
+        assert "0 layer(s), 0 channels (none) on rank 1" in message, message
+        others = "rank 0" if world == 2 else "ranks 0, 2"
+        assert "3 layer(s), 15 channels (1:4, 4:6, 9:5) on {}".format(others) in message, message
+    again = [r["again"] for r in per_rank]
+    assert_identical_on_all_ranks(again, "the next call")
+    assert_matches_reference(again, W.union_batches(W.UNEVEN, world), assert_close_exact, "the next call")
+
+
+def test_no_bn_layer_on_any_rank_returns_together_and_the_next_call_works(world_runs):
+    world, per_rank = scenario(world_runs, "no_layer_anywhere")
+    assert [(r["layers"], r["world_size"]) for r in per_rank] == [(0, world)] * world
+    again = [r["again"] for r in per_rank]
+    assert_matches_reference(again, W.union_batches(W.UNEVEN, world), assert_close_exact, "the next call")
+
+
+@pytest.mark.parametrize("option", sorted(W.DISAGREEING))
+def test_ranks_disagreeing_on_an_option_all_raise_naming_it_and_each_ranks_value(world_runs, option):
+    """Rank 1 alone sets ``option``: every rank raises in the first round, before any batch,
+    naming the option and the value of each rank; nothing changes."""
+    world, per_rank = scenario(world_runs, "disagree_" + option)
+    default = repr(getattr(Options(), option))
+    others = "rank 0" if world == 2 else "ranks 0, 2"
+    expected = "disagree on {} ({} on {}; {} on rank 1)".format(option, default, others, repr(W.DISAGREEING[option]))
+    for result in per_rank:
+        assert result["error"] == "DistributedError" and result["unchanged"], result
+        assert expected in result["message"] and "waited" not in result["message"], result["message"]
+        assert "layers (" not in result["message"], result["message"]  # only what differs
+
+
+def test_ranks_running_other_precise_bn_versions_all_raise_naming_them(world_runs):
+    world, per_rank = scenario(world_runs, "other_version")
+    others = "rank 0" if world == 2 else "ranks 0, 2"
+    for result in per_rank:
+        assert result["error"] == "DistributedError", result
+        assert "disagree on precise-bn version ({} on {}; 0.0.1 on rank 1)".format(
+            precise_bn.__version__, others) in result["message"], result
+
+
+def test_fields_too_long_for_their_slot_are_cut_but_told_apart():
+    """What the round after differing digests shows: each value (cut to its slot, the cut
+    marked), the ranks holding it as ranges, and digests where the cut values look alike."""
+    fields = [{"layers": "x" * 1000 + end, "rtol": rtol} for end, rtol in [("a", "None"), ("b", "0.5")]]
+    tables = [distributed._decode(distributed._encode(fields[rank in (3, 6)])) for rank in range(7)]
+    layers = distributed._by_value([table["layers"] for table in tables])
+    shown = "x" * (distributed._SLOT_BYTES - 8 - len("layers") - 1) + "..."
+    assert layers.count(shown + " (digest ") == 2
+    assert " on ranks 0-2, 4-5; " in layers and layers.endswith(" on ranks 3, 6")
+    assert distributed._by_value([table["rtol"] for table in tables]) == "None on ranks 0-2, 4-5; 0.5 on ranks 3, 6"
+
+
+def test_every_agreed_option_is_one_that_ranks_could_set_apart():
+    """Each option is either compared across ranks or one that may differ per rank (why, below);
+    a new option must be put on one side."""
+    per_rank = {
+        "forward_fn", "device", "progress", "log_period",  # how a rank runs or reports, not what it measures
+        "layers",  # compared as the layers it selects, with their widths
+        "group",  # the ranks that merge are those of the group
+        "timeout",  # how long each rank waits
+    }
+    fields = set(OPTION_FIELDS)
+    assert set(distributed.AGREED_OPTIONS) | per_rank == fields
+    assert not set(distributed.AGREED_OPTIONS) & per_rank
+
+
+def test_a_group_without_this_rank_is_refused_before_anything_runs(world_runs):
+    """``group=`` a group of rank 0 alone: the other ranks raise ConfigError naming it, from
+    the options and from recompute, unchanged, and are still in step for every later scenario;
+    with sync=False they recompute alone."""
+    world, per_rank = scenario(world_runs, "outside_group")
+    assert per_rank[0]["error"] is None and per_rank[0]["options"]["error"] is None
+    for rank, result in enumerate(per_rank):
+        if rank:
+            for error in (result, result["options"]):
+                assert error["error"] == "ConfigError", error
+                assert "group=GroupMember.NON_GROUP_MEMBER does not contain this process (rank {} ".format(rank) \
+                    in error["message"], error
+            assert result["unchanged"]
+        assert result["alone"]["world_size"] == 1
+        assert_matches_reference([result["alone"]], W.rank_batches(W.UNEVEN, rank), assert_close_exact, "alone")
 
 
 def test_single_process_is_the_identity():

@@ -108,6 +108,21 @@ def test_accelerate_counts_the_padding_of_even_batches(runs):
     assert_matches_reference(per_rank, seen, assert_close_exact, "accelerate")
 
 
+def test_accelerate_without_even_batches_measures_one_processs_batches(runs):
+    """With ``even_batches=False`` the ranks read one process's batches, dealt in turn, one rank
+    a batch fewer: each sample once, and the merge is one process's over the whole dataset."""
+    per_rank = scenario(runs, "accelerate_uneven")
+    for result in per_rank:
+        assert "error" not in result, result
+    one = [batch[0] for batch in torch.utils.data.DataLoader(S.accelerate_dataset(S.UNEVEN_SAMPLES),
+                                                             batch_size=S.UNEVEN_BATCH)]
+    seen = [batch for result in per_rank for batch in result["seen"]]
+    assert sorted(b.flatten().tolist() for b in seen) == sorted(b.flatten().tolist() for b in one)
+    assert [len(r["seen"]) for r in per_rank] == [3, 2]
+    assert_identical_on_all_ranks(per_rank, "accelerate_uneven")
+    assert_matches_reference(per_rank, one, assert_close_exact, "accelerate_uneven")
+
+
 def test_lightning_ddp_callback_merges_the_ranks(runs):
     per_rank = scenario(runs, "lightning_ddp")
     for result in per_rank:

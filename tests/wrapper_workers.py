@@ -161,19 +161,24 @@ def _launcher_env(rank: int, world: int) -> None:
 
 
 ACCELERATE_SAMPLES = 11  # over 2 ranks in batches of 2: the last batch is padded (even_batches)
+#: Samples and batch size without even_batches: 5 batches, the last of 2, so one rank reads one fewer.
+UNEVEN_SAMPLES, UNEVEN_BATCH = 14, 3
 
 
-def accelerate_dataset() -> torch.utils.data.TensorDataset:
-    return torch.utils.data.TensorDataset(torch.cat(rank_batches([[ACCELERATE_SAMPLES]], 0)))
+def accelerate_dataset(samples: int = ACCELERATE_SAMPLES) -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(torch.cat(rank_batches([[samples]], 0)))
 
 
-def _accelerate(rank: int, world: int) -> Result:
+def _accelerate(rank: int, world: int, even_batches: bool = True) -> Result:
     from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
 
     _launcher_env(rank, world)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=even_batches))
     model = make_model()
-    ddp, loader = accelerator.prepare(model, torch.utils.data.DataLoader(accelerate_dataset(), batch_size=2))
+    samples, batch_size = (ACCELERATE_SAMPLES, 2) if even_batches else (UNEVEN_SAMPLES, UNEVEN_BATCH)
+    ddp, loader = accelerator.prepare(model, torch.utils.data.DataLoader(accelerate_dataset(samples),
+                                                                         batch_size=batch_size))
     seen = [batch[0].clone() for batch in loader]
     out = outcome(model, recompute(ddp, loader, progress=False))
     out["seen"] = seen
@@ -220,5 +225,6 @@ SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "out_of_step": _out_of_step,
     "timeout": _timeout_leaves_the_group_usable,
     "accelerate": _accelerate,
+    "accelerate_uneven": lambda rank, world: _accelerate(rank, world, even_batches=False),
     "lightning_ddp": _lightning_ddp,
 }

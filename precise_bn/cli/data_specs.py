@@ -21,14 +21,15 @@ Data specs:
 
 Built-in data are shuffled with ``--seed`` (default 0): a sample budget smaller than the data
 then sees a representative subset, not the first classes of a sorted folder, and the same seed
-gives the same batches. Under ``torch.distributed`` each rank reads its own shard.
+gives the same batches. Under ``torch.distributed`` rank ``r`` of ``W`` reads batches ``r``,
+``r + W``, ... of those (:class:`RankBatches`): no sample padded or repeated.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -57,13 +58,37 @@ def _options(spec: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -
     return out
 
 
-def _loader(dataset: Any, batch_size: int, options: Mapping[str, Any], seed: int) -> Iterable[Any]:
-    from torch.utils.data import DataLoader, DistributedSampler
+class RankBatches:
+    """The batches of indices rank ``rank`` of ``world`` reads: those one process reads (all
+    ``size`` samples, in ``seed``'s order when shuffled, ``batch_size`` at a time), dealt in
+    turn to the ranks. Every sample is read once, by one rank, in the batch it is in on one
+    process, so the ranks' merge is one process's (``DistributedSampler`` pads a shard instead)."""
 
-    sampler = DistributedSampler(dataset, num_replicas=distributed.get_world_size(), rank=distributed.get_rank(),
-                                 shuffle=bool(options["shuffle"]), seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=int(options.get("num_workers", 0)),
-                      drop_last=bool(options["drop_last"]))
+    def __init__(self, size: int, batch_size: int, shuffle: bool, seed: int, drop_last: bool, rank: int = 0,
+                 world: int = 1):
+        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
+        self.drop_last, self.rank, self.world = drop_last, rank, world
+
+    def _all(self) -> List[List[int]]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed)).tolist() \
+            if self.shuffle else list(range(self.size))
+        batches = [order[i:i + self.batch_size] for i in range(0, self.size, self.batch_size)]
+        return batches[:-1] if self.drop_last and batches and len(batches[-1]) < self.batch_size else batches
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self._all()[self.rank::self.world])
+
+    def __len__(self) -> int:
+        whole = self.size // self.batch_size if self.drop_last else -(-self.size // self.batch_size)
+        return len(range(self.rank, whole, self.world))
+
+
+def _loader(dataset: Any, batch_size: int, options: Mapping[str, Any], seed: int) -> Iterable[Any]:
+    from torch.utils.data import DataLoader
+
+    batches = RankBatches(len(dataset), batch_size, bool(options["shuffle"]), seed, bool(options["drop_last"]),
+                          distributed.get_rank(), distributed.get_world_size())
+    return DataLoader(dataset, batch_sampler=batches, num_workers=int(options.get("num_workers", 0)))
 
 
 class SeededSamples(torch.utils.data.Dataset):
