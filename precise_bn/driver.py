@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ from .buffers import check_fits
 from .errors import EmptyDataError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
-from .precision import untrusted_stderr, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
+from .precision import flags, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
 from .report import BNReport, LayerReport, counted
 from .signals import all_or_nothing
 
@@ -249,11 +249,13 @@ def build_report(
     world_size: int,
     opts: Options,
     seconds: float,
+    reasons: Sequence[Dict[str, List[int]]],
 ) -> BNReport:
-    """The :class:`BNReport` of a pass, with every layer's standard errors."""
+    """The :class:`BNReport` of a pass, with every layer's standard errors and, in ``reasons``,
+    the channels whose standard errors cannot be trusted (:func:`~precise_bn.precision.flags`)."""
     report = BNReport(batches=outcome.batches, samples=outcome.samples, world_size=world_size,
                       estimator=estimator, seconds=seconds, stop=outcome.stop, rtol=opts.rtol)
-    for name, (old_mean, old_var), layer_eps, s, result in zip(names, old, eps, outcome.stats, results):
+    for name, (old_mean, old_var), layer_eps, s, result, why in zip(names, old, eps, outcome.stats, results, reasons):
         mean_se, var_se = s.stderr(opts.unbiased) if result is not None else (None, None)
         report.layers.append(LayerReport(
             name=name, elements=s.count, calls=s.calls, old_mean=old_mean, old_var=old_var,
@@ -261,7 +263,7 @@ def build_report(
             new_var=None if result is None else result[1].cpu(),
             mean_stderr=None if mean_se is None else mean_se.cpu(),
             var_stderr=None if var_se is None else var_se.cpu(), eps=float(layer_eps),
-            se_untrusted=untrusted_stderr(s).nonzero().reshape(-1).tolist() if result is not None else []))
+            se_untrusted=sorted(c for channels in why.values() for c in channels), se_reasons=why))
     if report.unused:
         warn("{} BatchNorm layer(s) never ran and kept their previous stats: {}".format(
             len(report.unused), ", ".join(report.unused)))
@@ -337,13 +339,15 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
             raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
                 " on any rank" if ranks.world > 1 else ""))
         warn_if_short(opts, outcome, budget_name)
-        warn_if_imprecise(opts, outcome.stats, backend.names, outcome.batches, outcome.samples, outcome.stop)
+        reasons = [flags(s) for s in outcome.stats]
+        warn_if_imprecise(opts, outcome.stats, backend.names, reasons, outcome.batches, outcome.samples, outcome.stop)
         targets = finalize(outcome.stats, opts.unbiased)
         results = [t if t is None or not opts.prior else pool_with_prior(o, t, opts.prior, outcome.samples)
                    for o, t in zip(old, targets)]
         check_fits(backend.names, results, backend.dtypes)
         report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
-                              world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started)
+                              world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started,
+                              reasons=reasons)
         if opts.prior:
             for layer, target in zip(report.layers, targets):
                 layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)

@@ -24,9 +24,11 @@ Why this shape of estimator:
 Standard errors, from the spread between calls. Treat the calls as independent draws of
 ``(n_i, m_i, v_i)`` (element count, mean, biased variance), as batches of a shuffled loader
 are. The written mean ``mu = sum n_i m_i / N`` is a ratio estimator; linearised (the delta
-method), its variance is estimated by ``k/(k-1) * sum n_i^2 (m_i - mu)^2 / N^2`` over the k
-calls. The written variance is ``s2 = sum n_i y_i / N`` with ``y_i = v_i + (m_i - mu)^2``; its
-derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
+method), its variance is estimated by ``sum n_i^2 (m_i - mu)^2 / (N^2 - sum n_i^2)`` over the k
+calls: ``k/(k-1) * sum n_i^2 (m_i - mu)^2 / N^2`` for equal counts, and unbiased whatever the
+counts when elements are independent (``k/(k-1)`` makes the standard error 2.2 times too small
+with 31 calls of 8 elements and one of 2,048). The written variance is ``s2 = sum n_i y_i / N``
+with ``y_i = v_i + (m_i - mu)^2``; its derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
 taken as known and the same formula applies to ``y_i - s2``. Both need, per channel, the
 ``n_i^2``-weighted means and co-moments of ``u_i = (m_i - c, v_i, (m_i - c)^2)``, kept around a
 per-channel centre ``c`` (the first call's mean, so nothing large cancels even at
@@ -43,13 +45,14 @@ k = 16), and skewed or heavy-tailed channels cover less (``benchmarks/CALIBRATIO
 Consecutive batches that resemble each other break the assumption: an unshuffled data set
 sorted by class or by time, clips cut from the same few videos, a layer called several times
 in one forward on related inputs (multi-crop, two towers). Then the spread between calls
-understates how far the batches are from the population, the standard errors are optimistic
-(a loader sorted by a feature covers under half of that feature's channels), and an ``rtol``
-stop comes too early. Shuffle (``DataLoader(shuffle=True)``, a shuffling sampler per rank), or
-let each batch span the variety of the data; nothing in the calls themselves can tell.
+understates how far the batches are from the population and the standard errors are
+optimistic. The calls' order shows some of it (:meth:`PopulationStats.order_stats`: the lag-1
+correlation and the trend of the ``e_i`` along the calls, from sums merged exactly in order,
+:mod:`precise_bn.order`), and :mod:`precise_bn.precision` flags such channels; what they cannot
+see is in ``docs/precision.md``.
 
 When the standard errors themselves are unreliable: heavy tails. Both standard errors are
-``sqrt(k/(k-1) * sum e_i^2) / N`` with ``e_i = n_i (m_i - mu)`` (mean) or ``n_i (y_i - s2)``
+``sqrt(sum e_i^2 / (N^2 - sum n_i^2))`` with ``e_i = n_i (m_i - mu)`` (mean) or ``n_i (y_i - s2)``
 (variance): a mean over calls of ``e_i^2``, whose own relative variance is estimated by
 ``r^2 = sum e_i^4 / (sum e_i^2)^2 - 1/k`` (for equal counts, ``(kappa - 1)/k`` with ``kappa``
 the calls' kurtosis). :meth:`PopulationStats.tail_spread` returns ``r``, from 15 power sums
@@ -71,14 +74,17 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from . import order as order_sums
 from .errors import NonFiniteStatsError
 from .tails import POWERS, affine, power_sums, spread_of_squares
 
+#: ``sum e_i^2`` of the mean and of the variance, per channel (:meth:`PopulationStats.spreads`).
+Spreads = Tuple[torch.Tensor, torch.Tensor]
 # The six entries of a symmetric 3x3 co-moment matrix, in storage order.
 _PAIRS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2))
 #: Per-channel rows of a packed :meth:`PopulationStats.state`: mean, M2, centre, u (3), cov (6),
-#: then the tail sums, each row one value per channel.
-STATE_ROWS = 12 + len(POWERS)
+#: then the tail sums and the order sums, each row one value per channel.
+STATE_ROWS = 12 + len(POWERS) + order_sums.ROWS
 
 
 @dataclass
@@ -88,7 +94,8 @@ class CallGroup:
     ``count`` elements per channel over ``calls`` calls, ``weight`` = sum of the squared
     per-call counts; float64 per channel: ``mean``, ``m2``, and around ``center`` the
     count²-weighted mean ``u`` (3, C) and co-moments ``cov`` (6, C) of the calls' ``u_i``;
-    and the count⁴-weighted power sums ``sums`` (15, C) of the tail diagnostic.
+    the count⁴-weighted power sums ``sums`` (15, C) of the tail diagnostic; and the ``order``
+    sums (:mod:`precise_bn.order`) of the calls in the order they ran.
     """
 
     count: int
@@ -100,9 +107,10 @@ class CallGroup:
     u: torch.Tensor
     cov: torch.Tensor
     sums: torch.Tensor
+    order: torch.Tensor
 
     def tensors(self) -> Tuple[torch.Tensor, ...]:
-        return self.mean, self.m2, self.center, self.u, self.cov, self.sums
+        return self.mean, self.m2, self.center, self.u, self.cov, self.sums, self.order
 
     def split(self, widths: Sequence[int]) -> List["CallGroup"]:
         """The group's channels cut into consecutive parts (several layers merged at once)."""
@@ -118,7 +126,8 @@ def combine_calls(
     unbiased: bool = False,
 ) -> CallGroup:
     """Combine k calls, float64 ``(k, C)`` ``means`` and ``variances`` (both **overwritten**),
-    with ``counts[i]`` elements per channel each, into one :class:`CallGroup` around ``center``.
+    with ``counts[i]`` elements per channel each, in the order they ran, into one
+    :class:`CallGroup` around ``center``.
 
     ``unbiased`` says the variances carry Bessel's correction (a BN kernel's running_var). The
     calls are combined around their own weighted mean (``M2 = sum M2_i + sum n_i d_i^2``, every
@@ -139,8 +148,10 @@ def combine_calls(
     u = torch.stack([torch.matmul(w, row) for row in rows]).div_(weight)
     centred = [row - u[j] for j, row in enumerate(rows)]
     cov = torch.stack([torch.matmul(w, centred[a] * centred[b]) for a, b in _PAIRS])
-    sums = power_sums(w * w, variances + rows[2], u1)
-    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov, sums)
+    second = variances + rows[2]
+    sums = power_sums(w * w, second, u1)
+    order = order_sums.block(n, u1, second)
+    return CallGroup(total, len(counts), weight, shift.add_(center), m2, center, u, cov, sums, order)
 
 
 def _recentre(group: CallGroup, center: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +184,7 @@ class PopulationStats:
         self.u = torch.zeros(3, self.num_channels, **zeros)
         self.cov = torch.zeros(6, self.num_channels, **zeros)
         self.sums = torch.zeros(len(POWERS), self.num_channels, **zeros)
+        self.order = torch.zeros(order_sums.ROWS, self.num_channels, **zeros)
 
     @property
     def device(self) -> torch.device:
@@ -207,6 +219,9 @@ class PopulationStats:
         if self.count == 0:
             for mine, theirs in zip(self.as_group().tensors(), group.tensors()):
                 mine.copy_(theirs)
+            if self.calls:  # groups without elements came first: this one's indices start after them
+                times = self.order[order_sums.TREND.start:]
+                times.copy_(order_sums.shift(times, self.calls, self._totals(group, self.center)))
         else:
             n_a, n_b = self.count, group.count
             delta = group.mean - self.mean
@@ -220,12 +235,22 @@ class PopulationStats:
             self.cov.add_(cov).add_(outer, alpha=w_a * w_b / (w_a + w_b))
             if group.center is self.center or torch.equal(group.center, self.center):
                 self.sums.add_(group.sums)
+                theirs = group.order
             else:  # another rank's centre: q = m - c moves by d, p = v + q^2 by 2 d q + d^2
                 d = group.center - self.center
                 self.sums.add_(affine(group.sums, 2.0 * d, d * d, d))
+                theirs = order_sums.move(group.order, d)
+            order_sums.join(self.order, theirs, self.calls, self._totals(group, self.center))
         self.count += group.count
         self.calls += group.calls
         self.weight += group.weight
+
+    @staticmethod
+    def _totals(group: CallGroup, center: torch.Tensor) -> torch.Tensor:
+        """``sum z_i`` of a group's calls around ``center`` (:mod:`precise_bn.order`)."""
+        d = group.mean - center
+        count = float(group.count)
+        return torch.stack([torch.full_like(d, count), d * count, group.m2 + d * d * count])
 
     def merge(self, other: "PopulationStats") -> None:
         """Merge another estimator of the same layer."""
@@ -236,7 +261,7 @@ class PopulationStats:
 
     def as_group(self) -> CallGroup:
         return CallGroup(self.count, self.calls, self.weight, self.mean, self.m2, self.center, self.u, self.cov,
-                         self.sums)
+                         self.sums, self.order)
 
     def finalize(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return float64 ``(mean, var)``: the biased population variance ``M2 / n`` by default.
@@ -255,22 +280,54 @@ class PopulationStats:
     def _denominator(self, unbiased: bool) -> int:
         return self.count - 1 if unbiased and self.count > 1 else self.count
 
-    def stderr(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel standard errors of :meth:`finalize`'s mean and variance (float64).
+    def _undefined(self, count: int = 2) -> Tuple[torch.Tensor, ...]:
+        """``count`` NaN tensors shaped like the mean: what the spread between calls gives until two
+        calls hold elements."""
+        return tuple(torch.full_like(self.mean, float("nan")) for _ in range(count))
 
-        NaN with fewer than two calls: one call says nothing about the spread between calls.
+    def stderr(self, unbiased: bool = False,
+               spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel standard errors of :meth:`finalize`'s mean and variance (float64), from
+        :meth:`spreads` (computed here unless given).
+
+        NaN until two calls hold elements: one call says nothing about the spread between calls.
         """
-        if self.calls < 2 or self.count == 0:
-            nan = torch.full_like(self.mean, float("nan"))
-            return nan, nan.clone()
-        k, n = self.calls, float(self.count)
-        spread_mean, spread_var = self._spreads()
-        factor = k / (k - 1.0) / (n * n)
-        scale = n / self._denominator(unbiased)
+        if self.count ** 2 <= self.weight:
+            return self._undefined()
+        spread_mean, spread_var = spreads or self.spreads()
+        factor = 1.0 / float(self.count ** 2 - self.weight)
+        scale = self.count / self._denominator(unbiased)
         return (spread_mean * factor).clamp_(min=0).sqrt_(), (spread_var * factor).clamp_(min=0).sqrt_() * scale
 
-    def _spreads(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel."""
+    def effective_calls(self) -> float:
+        """``N^2 / sum n_i^2``: the number of calls of equal counts that would weigh the same (0 empty)."""
+        return self.count ** 2 / self.weight if self.weight else 0.0
+
+    def order_stats(self, spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, ...]:
+        """Per channel, for the mean then the variance: the lag-1 correlation of the deviations
+        behind the standard errors over consecutive calls, and the z-score of their trend along
+        the calls (``docs/precision.md``), from :meth:`spreads` (computed here unless given); 0
+        for a channel without spread, NaN until two calls hold elements."""
+        if self.count ** 2 <= self.weight:
+            return self._undefined(4)
+        n = float(self.count)
+        d = self.mean - self.center
+        one, zero = torch.ones_like(d), torch.zeros_like(d)
+        b = torch.stack([torch.stack([-d, one, zero]), torch.stack([d * d - self.m2 / n, -2.0 * d, one])])
+        lag = self.order[order_sums.LAG].view(3, 3, -1)
+        trend = self.order[order_sums.TREND]
+        serial = ((b.unsqueeze(2) * lag).sum(1) * b).sum(1)  # b^T L b, for the mean and the variance
+        drift = (b * trend).sum(1)
+        spread = torch.stack(spreads or self.spreads())
+        time_var = (self.order[order_sums.TIME2] - trend[0] * trend[0] / n).clamp_(min=0)
+        noise = (time_var * spread / (n - self.weight / n)).sqrt_()
+        lagged = torch.where(spread > 0, serial / spread, torch.zeros_like(spread))
+        trended = torch.where((spread > 0) & (noise > 0), drift / noise, torch.zeros_like(spread))
+        return lagged[0], lagged[1], trended[0], trended[1]
+
+    def spreads(self) -> Spreads:
+        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel:
+        what :meth:`stderr`, :meth:`tail_spread` and :meth:`order_stats` rest on."""
         w = float(self.weight)
         shift = self.mean - self.center
         var = self.m2 / float(self.count)
@@ -285,15 +342,14 @@ class PopulationStats:
         spread_mean = self.cov[0] + w * (self.u[0] - shift).square()
         return spread_mean.clamp_(min=0), spread_var.clamp_(min=0)
 
-    def tail_spread(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def tail_spread(self, spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per channel, ``r`` of the squared standard errors of the mean and of the variance
         (their relative standard deviation; see the module docstring): 0.35 at k = 16 calls of
-        normal data. 0 for a channel without spread, NaN with fewer than two calls."""
-        if self.calls < 2 or self.count == 0:
-            nan = torch.full_like(self.mean, float("nan"))
-            return nan, nan.clone()
+        normal data. 0 for a channel without spread, NaN until two calls hold elements."""
+        if self.count ** 2 <= self.weight:
+            return self._undefined()
         return spread_of_squares(self.sums, self.mean - self.center, self.m2 / float(self.count),
-                                 self._spreads(), self.calls)
+                                 spreads or self.spreads(), self.calls)
 
     def _raise_if_non_finite(self) -> None:
         bad = ~(torch.isfinite(self.mean) & torch.isfinite(self.m2))

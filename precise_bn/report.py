@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .errors import UndoError
+from .precision import FLAGS
 from .signals import all_or_nothing
 from .snapshot import Snapshot
 
@@ -21,8 +22,10 @@ DEFINITIONS = {
                        "sampling error of the written mean, in units of the std",
     "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
                       "sampling error of the written variance",
-    "se_untrusted": "channels whose standard errors cannot be trusted: a few calls carry most of their "
-                    "spread (heavy tails, rare outliers or activity); rtol never stops on them",
+    "se_untrusted": "channels whose standard errors cannot be trusted (why: se_reasons); rtol never stops "
+                    "while there are any",
+    "se_reasons": "the channels of se_untrusted by reason, each under the first that holds: " + "; ".join(
+        "{}: {}".format(reason, words) for reason, (_, words) in FLAGS.items()),
 }
 
 #: Why a pass ended: what ran out, or ``rtol`` met.
@@ -60,9 +63,10 @@ class LayerReport:
     With a ``prior``, ``new_*`` is what was written (source and target pooled) and
     ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
     with the old ones.
-    ``se_untrusted`` lists channels whose standard errors cannot be trusted (heavy tails, or a
-    few calls carrying most of the spread: see
-    :meth:`~precise_bn.estimator.PopulationStats.tail_spread`); ``rtol`` never stops on them.
+    ``se_untrusted`` lists channels whose standard errors cannot be trusted, and ``se_reasons``
+    the same channels by reason (:data:`~precise_bn.precision.FLAGS`: the same batch repeated, a
+    few batches holding most elements, heavy tails, drift, correlated batches); ``rtol`` never
+    stops while there are any.
     """
 
     name: str
@@ -76,6 +80,7 @@ class LayerReport:
     var_stderr: Optional[torch.Tensor] = None
     eps: float = 1e-5
     se_untrusted: List[int] = field(default_factory=list)
+    se_reasons: Dict[str, List[int]] = field(default_factory=dict)
     target_mean: Optional[torch.Tensor] = None
     target_var: Optional[torch.Tensor] = None
 
@@ -126,6 +131,7 @@ class LayerReport:
             "mean_rel_stderr": self.mean_rel_stderr,
             "var_rel_stderr": self.var_rel_stderr,
             "se_untrusted": list(self.se_untrusted),
+            "se_reasons": {reason: list(channels) for reason, channels in self.se_reasons.items()},
         }
         keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
         for key in keys if with_stats else keys[-2:]:
@@ -234,18 +240,22 @@ class BNReport:
 
     def summary(self) -> str:
         """The first line of the table: what was read, why it stopped, the worst standard errors,
-        and how many channels' standard errors cannot be trusted."""
+        and how many channels' standard errors cannot be trusted, and why (what kept ``rtol``
+        from stopping the pass, when it was given)."""
         count = len(self.layers)
-        heavy = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
+        flagged = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
+        why = ", ".join("{}: {}".format(label, sum(len(layer.se_reasons.get(reason, ())) for layer in self.layers))
+                        for reason, (label, _) in FLAGS.items()
+                        if any(reason in layer.se_reasons for layer in self.layers))
+        untrusted = "; standard errors not trusted in {} of {} ({}){}".format(
+            counted(sum(flagged), "channel"), counted(len(flagged), "layer"), why,
+            ", so rtol={:g} could not stop the pass".format(self.rtol) if self.rtol is not None else "")
         return ("precise-bn: {}, {} ({}), world size {}, {} estimator, "
                 "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
             counted(count, "BatchNorm layer"), counted(self.batches, "batch", "batches"),
             counted(self.samples, "sample"), self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
-            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")),
-            "; standard errors not trusted (heavy tails) in {} channel{} of {} layer{}".format(
-                sum(heavy), "" if sum(heavy) == 1 else "s", len(heavy), "" if len(heavy) == 1 else "s")
-            if heavy else "")
+            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")), untrusted if flagged else "")
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])

@@ -6,7 +6,7 @@ import torch
 
 from precise_bn import NonFiniteStatsError, PopulationStats
 from precise_bn.estimator import combine_calls
-from precise_bn.precision import untrusted_stderr
+from precise_bn.precision import flags
 
 
 def _moments(x: torch.Tensor):
@@ -95,9 +95,12 @@ def test_state_round_trip():
         assert torch.equal(getattr(back, key), getattr(stats, key))
 
 
-def _brute_force_stderr(chunks):
-    """Per-call moments kept whole: the ratio-estimator standard errors written out directly,
-    and the relative spread of their squares, ``sqrt(sum e^4 / (sum e^2)^2 - 1/k)``."""
+def _brute_force(chunks):
+    """Per-call moments kept whole, in order: the ratio-estimator standard errors written out
+    directly (``sum e^2 / (N^2 - sum n^2)``, unbiased for independent elements whatever the
+    counts), the relative spread of their squares, ``sqrt(sum e^4 / (sum e^2)^2 - 1/k)``, the
+    lag-1 correlation of the ``e`` and the z-score of their trend along the calls
+    (``docs/precision.md``)."""
     n = torch.tensor([c.shape[1] for c in chunks], dtype=torch.float64)
     total, k = n.sum(), len(chunks)
     means = torch.stack([c.mean(1) for c in chunks])
@@ -105,42 +108,54 @@ def _brute_force_stderr(chunks):
     mu = (n[:, None] * means).sum(0) / total
     s2 = (n[:, None] * (variances + (means - mu) ** 2)).sum(0) / total
     y = variances + (means - mu) ** 2
-    factor = k / (k - 1) / total ** 2
-    mean_se = ((n[:, None] ** 2 * (means - mu) ** 2).sum(0) * factor).sqrt()
-    var_se = ((n[:, None] ** 2 * (y - s2) ** 2).sum(0) * factor).sqrt()
-    spreads = [((e ** 4).sum(0) / (e ** 2).sum(0) ** 2 - 1.0 / k).sqrt()
-               for e in (n[:, None] * (means - mu), n[:, None] * (y - s2))]
-    return mean_se, var_se, spreads
+    least = total - (n * n).sum() / total
+    t = torch.arange(k, dtype=torch.float64)
+    time_var = (n * t * t).sum() - (n * t).sum() ** 2 / total
+    out = {}
+    for key, e in (("mean", n[:, None] * (means - mu)), ("var", n[:, None] * (y - s2))):
+        square = (e ** 2).sum(0)
+        out[key] = {"stderr": (square / (total ** 2 - (n * n).sum())).sqrt(),
+                    "tail": ((e ** 4).sum(0) / square ** 2 - 1.0 / k).sqrt(),
+                    "lag": (e[:-1] * e[1:]).sum(0) / square,
+                    "trend": (t[:, None] * e).sum(0) / (time_var * square / least).sqrt()}
+    return out
 
 
-def test_stderr_matches_per_call_formula_through_blocks_and_merges():
-    """Blocks of calls, merged streams and a state round trip (another rank) give the standard
-    errors of the per-call formula and their spread (from power sums moved between centres),
-    also for a channel whose mean is 1e4 times its std."""
+def test_stderr_and_diagnostics_match_per_call_formulas_through_blocks_and_merges():
+    """Blocks of calls, streams merged in order and a state round trip (another rank, another
+    centre) give the standard errors of the per-call formula, their spread (from power sums moved
+    between centres) and the order diagnostics of the calls in merge order (from lag-1 products
+    and index sums moved between centres and offsets), also for a channel whose mean is 1e4 times
+    its std. Three channels drift along the calls, so that their lag and trend are far from 0."""
     gen = torch.Generator().manual_seed(5)
     scale = torch.tensor([[1.0], [2.0], [1e-3], [0.5]], dtype=torch.float64)
     shift = torch.tensor([[0.0], [1e4], [1e2], [-3.0]], dtype=torch.float64)
-    chunks = [torch.randn(4, int(n), generator=gen, dtype=torch.float64) * scale + shift
-              for n in torch.randint(3, 60, (37,), generator=gen)]
+    drift = torch.tensor([[0.03], [0.03], [0.0], [0.03]], dtype=torch.float64)
+    chunks = [(torch.randn(4, int(n), generator=gen, dtype=torch.float64) + drift * i) * scale + shift
+              for i, n in enumerate(torch.randint(3, 60, (37,), generator=gen))]
     halves = [PopulationStats(4, "a"), PopulationStats(4, "a")]
+    order = [[], []]
     position = 0
     while position < len(chunks):
         block = chunks[position: position + 1 + position % 6]
-        stats = halves[position % 2]
+        side = position % 2
+        stats = halves[side]
         means = torch.stack([c.mean(1) for c in block])
         variances = torch.stack([c.var(1, unbiased=True) for c in block])
         stats.add(combine_calls(means.clone(), variances.clone(), [c.shape[1] for c in block],
                                 stats.center_for(means[0]), unbiased=True))
+        order[side] += block
         position += len(block)
     whole = halves[0]
     whole.merge(PopulationStats.from_state(halves[1].state(), name="a"))
-    mean_se, var_se = whole.stderr()
-    ref_mean_se, ref_var_se, ref_spreads = _brute_force_stderr(
-        [chunks[i] for i in range(len(chunks))])
-    torch.testing.assert_close(mean_se, ref_mean_se, rtol=1e-9, atol=0)
-    torch.testing.assert_close(var_se, ref_var_se, rtol=1e-9, atol=0)
-    for spread, ref in zip(whole.tail_spread(), ref_spreads):
-        torch.testing.assert_close(spread, ref, rtol=1e-8, atol=0)
+    ref = _brute_force(order[0] + order[1])
+    lag_mean, lag_var, trend_mean, trend_var = whole.order_stats()
+    got = {"mean": {"stderr": whole.stderr()[0], "tail": whole.tail_spread()[0], "lag": lag_mean, "trend": trend_mean},
+           "var": {"stderr": whole.stderr()[1], "tail": whole.tail_spread()[1], "lag": lag_var, "trend": trend_var}}
+    for key in ("mean", "var"):
+        for name, value in got[key].items():
+            torch.testing.assert_close(value, ref[key][name], rtol=1e-8, atol=0, msg=lambda m: key + name + m)
+    assert float(ref["mean"]["lag"][[0, 1, 3]].min()) > 0.3 and float(ref["mean"]["trend"][[0, 1, 3]].min()) > 3
     mean, var = whole.finalize()
     ref_mean, ref_var = _moments(torch.cat(chunks, 1))
     torch.testing.assert_close(var, ref_var, rtol=1e-12, atol=0)
@@ -169,7 +184,7 @@ def test_a_call_carrying_the_spread_marks_its_channel_and_normal_calls_do_not():
     mean_r, var_r = stats.tail_spread()
     assert 0.5 * (2 / 64) ** 0.5 < float(var_r[0]) < 2 * (2 / 64) ** 0.5
     assert float(var_r[1]) > 0.9 and float(mean_r[1]) > 0.9
-    assert untrusted_stderr(stats).tolist() == [False, True, False]
+    assert flags(stats) == {"tails": [1]}
     single = PopulationStats(1)
     single.add_call(torch.zeros(1), torch.ones(1), 4)
-    assert torch.isnan(single.tail_spread()[1]).all() and not untrusted_stderr(single).any()
+    assert torch.isnan(single.tail_spread()[1]).all() and flags(single) == {}

@@ -21,7 +21,7 @@ from torch import nn
 
 from precise_bn import PopulationStats, PreciseBNWarning, recompute
 from precise_bn.driver import CHECK_EVERY
-from precise_bn.precision import rtol_ratios, t975
+from precise_bn.precision import RTOL_CONDITIONS, rtol_ratios, t975
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import calibration  # noqa: E402
@@ -156,21 +156,28 @@ def test_a_dead_channel_blocks_rtol_until_the_samples_bound_its_activity():
     for _ in range(64):
         stats.add_call(torch.stack([torch.zeros(()), torch.randn((), generator=gen) * 0.01]).double(),
                        torch.tensor([0.0, 1.0], dtype=torch.float64), 100_000)
-    rtol = 0.05
-    dead = rtol_ratios(stats, rtol, 4799)[3]
+    rtol, row = 0.05, RTOL_CONDITIONS.index("dead")
+    dead = rtol_ratios(stats, rtol, 4799)[row]
     assert float(dead[0]) > 1.0 and float(dead[1]) == 0.0
-    assert float(rtol_ratios(stats, rtol, 4800)[3, 0]) <= 1.0
+    assert float(rtol_ratios(stats, rtol, 4800)[row, 0]) <= 1.0
     assert float(rtol_ratios(stats, rtol, 4800)[:2, 0].max()) == 0.0
+    assert float(rtol_ratios(stats, rtol, 4800)[row + 1:].max()) <= 1.0  # and no channel flagged
 
 
-def test_correlated_batches_make_the_standard_errors_optimistic(population):
+def test_correlated_batches_make_the_standard_errors_optimistic_and_are_flagged(population):
     """A loader sorted by a per-sample feature (as an unshuffled data set sorted by class or by
     time is): consecutive batches resemble each other and the spread between them says little
-    about the error. The coverage falls far below what a standard error promises."""
+    about the error. The coverage falls far below what a standard error promises, and the channel
+    sorted on is flagged (its mean drifts along the calls, or a few calls at the extreme of the
+    order carry its spread); the others are not flagged for what the loader did."""
     x, pop_mean, pop_var = population
     order = x[:, 0].mean((1, 2)).argsort()  # sorted by channel 0's per-sample mean
-    results = _draws(x, pop_mean, pop_var, draws=8, order=order, num_batches=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the flagged channel is named: asserted below
+        results = _draws(x, pop_mean, pop_var, draws=8, order=order, num_batches=32)
     assert _coverage(*zip(*[(error[:1], stderr[:1]) for (error, stderr), _, _ in results])) < 0.5
+    assert all(0 in report.layers[0].se_untrusted for *_, report in results)
+    assert sum(report.layers[0].se_reasons.get("drift", []) == [0] for *_, report in results) >= 6
 
 
 @pytest.mark.main_env

@@ -457,7 +457,8 @@ def test_channels_whose_standard_errors_cannot_be_trusted_are_reported():
     batches[7][0, 2] += 500.0  # one sample far out in channel 2: one call carries its spread
     report = recompute(BNOnly(nn.BatchNorm2d(C)), batches)
     assert report["bn"].se_untrusted == [2] and report.to_dict()["layers"][0]["se_untrusted"] == [2]
-    assert "standard errors not trusted (heavy tails) in 1 channel of 1 layer" in report.summary()
+    assert report["bn"].se_reasons == {"tails": [2]} == report.to_dict()["layers"][0]["se_reasons"]
+    assert "standard errors not trusted in 1 channel of 1 layer (heavy tails: 1)" in report.summary()
     assert recompute(BNOnly(nn.BatchNorm2d(C)), batches[8:]).layers[0].se_untrusted == []
 
 
