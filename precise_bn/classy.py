@@ -35,7 +35,7 @@ from .errors import BackendUnavailableError, ConfigError
 from .options import Options, check_names
 from .reader import read_privately
 from .signals import all_or_nothing
-from .torch_aux import recalibrate_untouched
+from .torch_job import recalibrate_untouched
 
 try:
     from classy_vision.hooks import ClassyHook, register_hook

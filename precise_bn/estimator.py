@@ -56,7 +56,7 @@ When the standard errors themselves are unreliable: heavy tails. Both standard e
 (variance): a mean over calls of ``e_i^2``, whose own relative variance is estimated by
 ``r^2 = sum e_i^4 / (sum e_i^2)^2 - 1/k`` (for equal counts, ``(kappa - 1)/k`` with ``kappa``
 the calls' kurtosis). :meth:`PopulationStats.tail_spread` returns ``r``, from 15 power sums
-per channel merged exactly across blocks and ranks (:mod:`precise_bn.tails` derives it):
+per channel merged exactly across blocks and ranks (:mod:`precise_bn.se_spread` derives it):
 about ``sqrt(2/k)`` for normal calls, falling as ``1/sqrt(k)`` while the fourth moment is
 finite, but staying near ``sqrt(1/j)`` when j calls carry most of the spread (Student's t
 with 2.5 degrees of freedom, a lognormal of sigma 2, a rare outlier, a channel active on a
@@ -76,7 +76,7 @@ import torch
 
 from . import order as order_sums
 from .errors import NonFiniteStatsError
-from .tails import POWERS, affine, power_sums, spread_of_squares
+from .se_spread import POWERS, affine, power_sums, spread_of_squares
 
 #: ``sum e_i^2`` of the mean and of the variance, per channel (:meth:`PopulationStats.spreads`).
 Spreads = Tuple[torch.Tensor, torch.Tensor]

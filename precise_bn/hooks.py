@@ -13,7 +13,7 @@
 An evaluation and a checkpoint at the same step get the very same statistics: the second call
 writes back what the first computed, unless the weights changed in between (see
 :mod:`precise_bn.step_cache`). A recomputation leaves the training run as it would have been
-without it: every random generator it draws from is put back (see :mod:`precise_bn.torch_aux`).
+without it: every random generator it draws from is put back (see :mod:`precise_bn.torch_job`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .options import Options, positive_int
 from .report import BNReport
 from .signals import all_or_nothing, write
 from .step_cache import StepCache
-from .torch_aux import TorchAuxModel, TorchCache
+from .torch_job import TorchJob, TorchCache
 
 LOGGER = logging.getLogger("precise_bn")
 
@@ -55,7 +55,7 @@ class PreciseBNHook:
         eval_period / checkpoint_period: :meth:`before_eval` / :meth:`before_checkpoint` act
             only when ``step % period == 0``, so a loop may call them every step.
         extra_models: more models recomputed on the same batches, e.g. an EMA or SWA copy of
-            the weights (see :class:`~precise_bn.torch_aux.TorchAuxModel`).
+            the weights (see :class:`~precise_bn.torch_job.TorchJob`).
         forward_context: a context entered around every forward of the pass, e.g. a
             framework's mixed-precision context.
         logger: where the hook says what it did (a line per call that acts: the report's
@@ -93,7 +93,7 @@ class PreciseBNHook:
         self.model = model
         self.eval_period = eval_period
         self.checkpoint_period = checkpoint_period
-        self.job = TorchAuxModel(model, data, opts, extra_models, forward_context)
+        self.job = TorchJob(model, data, opts, extra_models, forward_context)
         self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
         self.logger = logger
@@ -200,8 +200,8 @@ class PreciseBNHook:
             self.enabled = False
             return None
         done = self.cache.recomputations
-        report = self.cache.at((step, loaded_from, self.job.state()), lambda store: self.job.run(store, self._share()),
-                               self.job.apply)
+        report = self.cache.recompute_or_write_back((step, loaded_from, self.job.state()),
+                                                    lambda store: self.job.run(store, self._share()), self.job.apply)
         if self.logger is not None and self.cache.recomputations > done:
             self.logger.info("%s; for the %s at step %s", report.summary(), what, step)
         elif self.logger is not None:
