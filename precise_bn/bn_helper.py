@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 from torch import nn
 
 from .errors import ConfigError
-from .options import Options, positive_int
+from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing
 from .step_cache import StepCache
@@ -103,8 +103,8 @@ class BatchNormHelper:
         self.cfg = cfg
         self.settings = _settings(cfg, kwargs)
         self.options = Options.build("BatchNormHelper", num_batches=self.settings["iters"],
-                                     log_period=self.settings["log_period"], also_known=("cfg", "backend", *DEFAULTS),
-                                     **kwargs)
+                                     log_period=self.settings["log_period"],
+                                     also_known=(*own_arguments(BatchNormHelper.__init__), *DEFAULTS), **kwargs)
         self._given = set(kwargs)
         self.aux: Any = None
         self.cache: StepCache[Any] = StepCache()

@@ -32,7 +32,7 @@ from torch import nn
 
 from .data import count_samples, move_to_device
 from .errors import BackendUnavailableError, ConfigError
-from .options import Options, check_names
+from .options import Options, check_names, own_arguments
 from .reader import read_privately
 from .signals import all_or_nothing
 from .torch_job import recalibrate_untouched
@@ -85,7 +85,8 @@ class PreciseBatchNormHook(ClassyHook):
         self.num_samples = num_samples
         self.cache_samples = bool(cache_samples)
         self.options = Options.build("PreciseBatchNormHook", num_samples=math.ceil(num_samples),
-                                     forward_fn=_forward_input, also_known=("cache_samples",), **options)
+                                     forward_fn=_forward_input,
+                                     also_known=own_arguments(PreciseBatchNormHook.__init__), **options)
         self._cached: List[Any] = []
         self._cached_samples = 0
 

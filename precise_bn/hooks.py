@@ -24,17 +24,13 @@ from torch import nn
 
 from .distributed import get_world_size, resolve_sync
 from .errors import ConfigError
-from .options import Options, positive_int
+from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing, write
 from .step_cache import StepCache
 from .torch_job import TorchJob, TorchCache
 
 LOGGER = logging.getLogger("precise_bn")
-
-
-OWN_ARGUMENTS = ("model", "data", "num_batches", "eval_period", "checkpoint_period", "extra_models", "forward_context",
-                 "logger")
 
 
 class PreciseBNHook:
@@ -84,7 +80,8 @@ class PreciseBNHook:
         logger: Optional[logging.Logger] = LOGGER,
         **options: Any,
     ):
-        opts = Options.build("PreciseBNHook", num_batches=num_batches, also_known=OWN_ARGUMENTS, **options)
+        opts = Options.build("PreciseBNHook", num_batches=num_batches,
+                             also_known=own_arguments(PreciseBNHook.__init__), **options)
         positive_int("eval_period", eval_period, allow_none=False)
         positive_int("checkpoint_period", checkpoint_period, allow_none=False)
         if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:

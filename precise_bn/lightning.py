@@ -45,7 +45,7 @@ from torch import nn
 
 from .errors import BackendUnavailableError, ConfigError, PreciseBNWarning
 from .hooks import PreciseBNHook
-from .options import Options
+from .options import Options, own_arguments
 from .pytorch.layers import by_spec, select_layers
 from .reader import PrivateReader
 from .signals import all_or_nothing
@@ -77,9 +77,6 @@ def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoa
         "training)".format(type(loader).__name__)
     raise ConfigError("PreciseBNCallback: the trainer has {}; pass data=... (and forward_fn=... if its batches "
                       "need one)".format(what))
-
-
-OWN_ARGUMENTS = ("num_batches", "data", "attribute")
 
 
 class PreciseBNCallback(pl.Callback):
@@ -120,8 +117,8 @@ class PreciseBNCallback(pl.Callback):
         **options: Any,
     ):
         super().__init__()
-        self.options = Options.build("PreciseBNCallback", num_batches=num_batches, also_known=OWN_ARGUMENTS,
-                                     **options)
+        self.options = Options.build("PreciseBNCallback", num_batches=num_batches,
+                                     also_known=own_arguments(PreciseBNCallback.__init__), **options)
         self.data = data
         self.attribute = attribute
         self.hook: Optional[PreciseBNHook] = None

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import inspect
 import math
 import numbers
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -219,6 +220,14 @@ def check_names(where: str, given: Any, known: Sequence[str], hints_too: Sequenc
             close = difflib.get_close_matches(name, list(known) + list(hints_too), n=1)
             hint = "; did you mean {!r}?".format(close[0]) if close else ""
             raise TypeError("{}() got an unexpected keyword argument {!r}{}".format(where, name, hint))
+
+
+def own_arguments(function: Callable[..., Any]) -> Tuple[str, ...]:
+    """The named parameters of ``function`` but ``self``: what a hook's constructor takes
+    besides the options, for :meth:`Options.build`'s ``also_known``."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in inspect.signature(function).parameters.items()
+                 if p.kind in kinds and name != "self")
 
 
 def option_help(name: str) -> str:
