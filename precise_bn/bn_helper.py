@@ -4,15 +4,11 @@
     helper.create_bn_aux_model(model, data)       # once
     helper.compute_and_update_bn_stats(curr_iter) # before each test and each checkpoint
 
-Stats are recomputed only when ``curr_iter`` changed since the last call; a second call at the
-same iteration re-applies the cached stats without running a forward (see
-:mod:`precise_bn.step_cache`).
-
-Users of video-nonlocal-net's helper change only the import line
-(``from precise_bn import bn_helper``): ``BatchNormHelper()`` reads the original's
-global config and ``create_bn_aux_model(node_id=...)`` builds the aux net with the original's
-model builder, both found where the training script loaded them
-(:mod:`precise_bn.caffe2.original`), or fails at once with the line that replaces it.
+A second call at the same iteration writes back the cached stats without a forward
+(:mod:`precise_bn.step_cache`). Users of video-nonlocal-net's helper change only the import line
+(``from precise_bn import bn_helper``): the original's global config and model builder are
+found where the training script loaded them (:mod:`precise_bn.caffe2.original`), or the call
+fails at once with the line that replaces it. See ``docs/caffe2.md``.
 """
 from __future__ import annotations
 

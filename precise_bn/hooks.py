@@ -1,19 +1,13 @@
 """Precise BN inside a training loop: recompute before evaluation and before each checkpoint.
 
     hook = PreciseBNHook(model, train_loader, num_batches=200, extra_models=[ema_model])
-    for step in range(1, max_steps + 1):
-        train_one_step()
-        if step % eval_every == 0:
-            hook.before_eval(step)
-            evaluate(model)
-        if step % save_every == 0:
-            hook.before_checkpoint(step)
-            save(model)
+    hook.before_eval(step)        # then evaluate(model)
+    hook.before_checkpoint(step)  # then save(model)
 
 An evaluation and a checkpoint at the same step get the very same statistics: the second call
-writes back what the first computed, unless the weights changed in between (see
-:mod:`precise_bn.step_cache`). A recomputation leaves the training run as it would have been
-without it: every random generator it draws from is put back (see :mod:`precise_bn.torch_job`).
+writes back what the first computed, unless the weights changed in between
+(:mod:`precise_bn.step_cache`). The training run goes on as without it: every random generator
+is put back (:mod:`precise_bn.torch_job`). Details: ``docs/integrations.md``.
 """
 from __future__ import annotations
 
