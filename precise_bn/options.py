@@ -153,9 +153,7 @@ class Options:
         None, "a progress bar on stderr (`None`: when stderr is a terminal); its total is what will really be read")
     rtol: Optional[float] = _option(
         None, "stop early once about 95% of channels are within `rtol` of the population value (mean in std "
-        "units, variance relative): every channel's Student's t quantile times its standard error, taken one of "
-        "its own deviations high, within `rtol` (docs/precision.md; checked every 8 batches, after "
-        "`min_batches` batches)")
+        "units, variance relative; docs/precision.md)")
     min_batches: int = _option(DEFAULT_MIN_BATCHES, "batches read, over all ranks, before `rtol` may stop the pass")
     timeout: float = _option(
         DEFAULT_TIMEOUT, "seconds a rank waits for the others before raising `DistributedError` "
