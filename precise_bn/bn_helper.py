@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing
-from .step_cache import StepCache
+from .step_cache import CachedRecomputations, StepCache
 from .torch_job import TorchJob
 
 # The original tool's config keys and the settings they map to.
@@ -74,7 +74,7 @@ def _settings(cfg: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return settings
 
 
-class BatchNormHelper:
+class BatchNormHelper(CachedRecomputations):
     """Recompute precise BN stats periodically, on the ``"torch"`` or ``"caffe2"`` backend.
 
     Settings come from ``cfg`` (the original keys, see :data:`CONFIG_KEYS`; without ``cfg``, the
@@ -108,15 +108,6 @@ class BatchNormHelper:
     @property
     def iters(self) -> int:
         return int(self.settings["iters"])
-
-    @property
-    def last_report(self) -> Optional[BNReport]:
-        return self.cache.report
-
-    @property
-    def recomputations(self) -> int:
-        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
-        return self.cache.recomputations
 
     def create_bn_aux_model(self, model: Any = None, data: Any = None, *, node_id: Optional[int] = None,
                             **kwargs: Any) -> Any:

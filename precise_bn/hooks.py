@@ -21,13 +21,13 @@ from .errors import ConfigError
 from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing, write
-from .step_cache import StepCache
+from .step_cache import CachedRecomputations, StepCache
 from .torch_job import TorchJob, TorchCache
 
 LOGGER = logging.getLogger("precise_bn")
 
 
-class PreciseBNHook:
+class PreciseBNHook(CachedRecomputations):
     """Framework-neutral pre-evaluation and checkpoint-time recalibration for a training loop.
 
     Args:
@@ -89,16 +89,6 @@ class PreciseBNHook:
         self.enabled = True
         self.logger = logger
         self.lent: Optional[int] = None  # the extra model whose stats model's layers hold, see lend()
-
-    @property
-    def last_report(self) -> Optional[BNReport]:
-        """The report of the recomputation the current stats come from."""
-        return self.cache.report
-
-    @property
-    def recomputations(self) -> int:
-        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
-        return self.cache.recomputations
 
     @property
     def cached_stats(self) -> Optional[TorchCache]:

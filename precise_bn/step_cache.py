@@ -64,3 +64,19 @@ class StepCache(Generic[C]):
             self.key, self.value, self.report, self.recomputations = kept
 
         write(change, undo)
+
+
+class CachedRecomputations:
+    """What an object keeping a :class:`StepCache` as ``cache`` tells its users about it."""
+
+    cache: StepCache[Any]
+
+    @property
+    def last_report(self) -> Optional[BNReport]:
+        """The report of the recomputation the current stats come from."""
+        return self.cache.report
+
+    @property
+    def recomputations(self) -> int:
+        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
+        return self.cache.recomputations
