@@ -1,24 +1,12 @@
 """The Caffe2 backend: run the aux net, measure its SpatialBN inputs, feed the result per device.
 
-How it works, and why:
-
-* After each run of the aux net (:mod:`precise_bn.caffe2.net`, which keeps every SpatialBN input
-  alive until then) every device's input of every layer is read (on the CPU without a copy) and
-  measured in float64 (:func:`~precise_bn.caffe2.stats.measure_input`): Caffe2's kernel forms a
-  call's variance as ``E[x^2] - E[x]^2`` in float32, which cancels when a channel's mean is large
-  next to its std, so its saved statistics are never what is written.
-* Every (device, iteration) call is merged with Chan's formula weighted by its true element
-  count, a block of calls at a time: devices with different batch sizes count for what they
-  saw, the spread of batch means is kept, and a dead channel ends at exactly 0.
-* The merged mean and variance, rounded to nearest float32, are fed as ``{layer}_bn_rm`` /
-  ``{layer}_bn_riv`` to every device under the device option of that device's SpatialBN op
-  (``_bn_riv`` holds a variance despite its name), so all devices hold identical bits.
-* An input holding NaN or Inf raises :class:`NonFiniteStatsError` naming layer, device and
-  iteration, and any earlier layer whose float32 kernel cancelled into NaN; the running stats
-  are then restored as they were before the pass (train-mode SpatialBN updates them in place).
-
-The pass itself (budget, progress, ranks, report, writing last) is the shared driver's
-(:mod:`precise_bn.driver`), as for PyTorch models.
+After each run of the aux net (:mod:`precise_bn.caffe2.net`) every device's input of every layer
+is measured in float64 (:func:`~precise_bn.caffe2.stats.measure_input`), never taken from
+Caffe2's float32 ``E[x^2] - E[x]^2``; every (device, iteration) call is merged by its element
+count, and the result, rounded to nearest float32, is fed as ``{layer}_bn_rm`` /
+``{layer}_bn_riv`` to every device, so all devices hold identical bits. A non-finite input
+raises :class:`NonFiniteStatsError` naming layer, device and iteration. The pass itself is the
+shared driver's (:mod:`precise_bn.driver`). Why: ``docs/caffe2.md``.
 """
 from __future__ import annotations
 
