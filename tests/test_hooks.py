@@ -15,27 +15,18 @@ from torch.utils.data import DataLoader, TensorDataset
 from precise_bn import BatchError, ConfigError, EmptyDataError, PreciseBNWarning, recompute
 from precise_bn.data import smart_forward as default_forward
 from precise_bn.hooks import PreciseBNHook
+from factories import bn_stats, tiny_net
 from reference import assert_close_exact, float64_reference
 
 
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5), nn.BatchNorm1d(5)
-    )
+    return tiny_net(classes=5)
 
 
 def make_batches(n: int, size: int = 4, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(size, 3, 6, 6, generator=g) * (1 + i) + i, torch.zeros(size)) for i in range(n)]
-
-
-def bn_stats(model: nn.Module):
-    return {
-        name: (m.running_mean.clone(), m.running_var.clone())
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-    }
 
 
 def assert_same_stats(a, b):
