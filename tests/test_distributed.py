@@ -316,7 +316,7 @@ def test_single_process_is_the_identity():
     stats = PopulationStats(2, name="bn")
     stats.add_call(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25]), 4)
     ranks = distributed.Ranks(enabled=True)
-    assert ranks.world == 1 and ranks.gather_stats([stats]) == [stats]
+    assert ranks.world == 1 and ranks.assemble(ranks.merge_part([stats])) == [stats]
     assert ranks.exchange(distributed.ACTIVE, 3, 12)[0].batches == 3
     ranks.abort()
     distributed.barrier()

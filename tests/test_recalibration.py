@@ -86,8 +86,6 @@ def test_undo_inside_the_block_is_not_repeated_on_exit():
 
 def test_options_are_checked_when_given():
     model = make_model(blocks=2)
-    with pytest.raises(TypeError, match="recalibrated.*'num_batchs'.*num_batches"):
-        recalibrated(model, make_batches(2), num_batchs=2)
     with pytest.raises(ConfigError, match="prior"):
         recalibrated(model, make_batches(2), prior=-1)
 
