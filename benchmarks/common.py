@@ -324,8 +324,8 @@ def write_section(path: Path, key: str, body: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-_OLD_MACHINE = re.compile(r"Machine: (?P<where>[^;\n]+ \(\d+ logical cores\), \S+); (?P<threads>torch\.set_num_threads\(\d+\)\.) "
-                          r"(?P<versions>[^\n]*?precise-bn [^\s]+?)\. Run ")
+_OLD_MACHINE = re.compile(r"Machine: (?P<where>[^;\n]+ \(\d+ logical cores\), \S+); "
+                          r"(?P<threads>torch\.set_num_threads\(\d+\)\.) (?P<versions>[^\n]*?precise-bn [^\s]+?)\. Run ")
 
 
 def machine_once(text: str) -> str:
@@ -341,7 +341,7 @@ def machine_once(text: str) -> str:
             machines[key] = "{}; {}".format(found.group("where"), found.group("versions"))
     if not machines:
         return text
-    counts = [m for m in machines.values()]
+    counts = list(machines.values())
     text = _with_machine(text, max(counts, key=counts.count))
     page = _page_machine(text)
     for key, machine in machines.items():

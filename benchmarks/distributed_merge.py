@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_arguments, command_line, markdown_table, parse_common, run_text, write_section  # noqa: E402,E501
+from common import (add_common_arguments, command_line, markdown_table, parse_common, run_text,  # noqa: E402
+                    write_section)
 from precise_bn import slices  # noqa: E402
 from precise_bn.distributed import Ranks  # noqa: E402
 from precise_bn.estimator import STATE_ROWS, PopulationStats  # noqa: E402

@@ -107,14 +107,15 @@ def _entry_points():
 
 MAIN_ENV = ("PreciseBNCallback", "ExactPreciseBNHook", "PreciseBatchNormHook", "PreciseBatchNormHook.from_config")
 # An entry point's own arguments, misspelt: the hint is among them too.
-OWN_MISSPELT = [("check", "alhpa", "alpha"), ("PreciseBNHook", "eval_perod", "eval_period"),
-                ("PreciseBNHook", "checkpoint_perod", "checkpoint_period"), ("PreciseBNHook", "log_perod", "log_period"),
-                ("PreciseBNHook", "extra_model", "extra_models"), ("BatchNormHelper", "iter", "iters"),
+OWN_MISSPELT = [("check", "alhpa", "alpha"), ("BatchNormHelper", "iter", "iters"),
+                ("PreciseBNHook", "eval_perod", "eval_period"), ("PreciseBNHook", "checkpoint_perod", "checkpoint_period"),
+                ("PreciseBNHook", "log_perod", "log_period"), ("PreciseBNHook", "extra_model", "extra_models"),
                 ("PreciseBNCallback", "atribute", "attribute"), ("PreciseBNCallback", "dta", "data"),
-                ("PreciseBNCallback", "num_batchs", "num_batches"), ("PreciseBatchNormHook", "cache_sample", "cache_samples"),
+                ("PreciseBNCallback", "num_batchs", "num_batches"),
+                ("PreciseBatchNormHook", "cache_sample", "cache_samples"),
                 ("PreciseBatchNormHook.from_config", "cache_sample", "cache_samples")]
-MISSPELT = [(where, "exatc", "exact") for where in _entry_points()] + [(where, "num_batchs", "num_batches")
-                                                                      for where in ("recalibrated", "check")]
+MISSPELT = ([(where, "exatc", "exact") for where in _entry_points()]
+            + [(where, "num_batchs", "num_batches") for where in ("recalibrated", "check")])
 
 
 @pytest.mark.parametrize("where, name, hint", [
@@ -122,6 +123,7 @@ MISSPELT = [(where, "exatc", "exact") for where in _entry_points()] + [(where, "
     for case in MISSPELT + OWN_MISSPELT])
 def test_a_misspelt_name_fails_at_once_naming_the_entry_point_and_the_closest_name(where, name, hint):
     # recompute's keywords are Python's own: Python 3.13 adds the hint, older ones name the argument alone
-    said = "{}.*{!r}".format(re.escape(where), name) + ("" if where == "recompute" else ".*did you mean {!r}".format(hint))
+    hinted = "" if where == "recompute" else ".*did you mean {!r}".format(hint)
+    said = "{}.*{!r}".format(re.escape(where), name) + hinted
     with pytest.raises(TypeError, match=said):
         _entry_points()[where](**{name: 1})
