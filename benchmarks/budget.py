@@ -268,7 +268,7 @@ def render(args: argparse.Namespace, argv: Optional[Sequence[str]], studies: Seq
     parts = [
         "## How many batches are enough (`benchmarks/budget.py`)",
         "Command: `{}`".format(common.command_line(argv)),
-        common.environment_text(args.threads) + " The seconds column is wall time on this shared machine.",
+        common.run_text(args.threads) + " The seconds column is wall time on this shared machine.",
         "![budget](budget.png)",
         "Each run reads an endless loader of the data set, reshuffled every epoch, and stops on `rtol` "
         "(the rule of `docs/precision.md`, checked every 8 batches after 16: for every channel, Student's t "

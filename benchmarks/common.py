@@ -1,6 +1,6 @@
 """What every benchmark script shares: timing against an adjacent floor run at steady state,
-the command line, markdown tables, the machine's description, and writing its own section of
-RESULTS.md.
+the command line, markdown tables, the machine's description, and writing its own section of a
+results page, which states its machine once.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -222,9 +222,9 @@ def fmt_err(value: float) -> str:
     return "{:.1e}".format(value) if value == value and value != float("inf") else str(value)
 
 
-def environment_text(threads: int, sums: Optional[str] = None) -> str:
-    """Versions, machine and load, and how the float64 sums ran (``sums``, else
-    :func:`sums_text`), for the top of a RESULTS.md section."""
+def machine_text() -> str:
+    """This machine and its software, as a page states them once: CPU, cores, system, Python and
+    the versions of torch, of the packages a benchmark may use and of precise-bn."""
     cpu = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -239,13 +239,19 @@ def environment_text(threads: int, sums: Optional[str] = None) -> str:
         except ImportError:
             pass
     versions.append("precise-bn {}".format(precise_bn.__version__))
-    return (
-        "Machine: {} ({} logical cores), {}; torch.set_num_threads({}). {}. Run {}; 1-minute load "
-        "average {:.2f}. {}".format(
-            cpu, os.cpu_count(), platform.platform(), threads, ", ".join(versions),
-            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0], sums or sums_text(),
-        )
-    )
+    return "{} ({} logical cores), {}; {}".format(cpu, os.cpu_count(), platform.platform(), ", ".join(versions))
+
+
+def run_text(threads: int, sums: Optional[str] = None) -> str:
+    """What one run adds to its page's machine: threads, date, load, and how the float64 sums
+    ran (``sums``, else :func:`sums_text`)."""
+    return "torch.set_num_threads({}). Run {}; 1-minute load average {:.2f}. {}".format(
+        threads, datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0], sums or sums_text())
+
+
+def environment_text(threads: int, sums: Optional[str] = None) -> str:
+    """The machine and the run, for a page that holds a single report (``CALIBRATION.md``)."""
+    return "Machine: {}. {}".format(machine_text(), run_text(threads, sums))
 
 
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
@@ -255,15 +261,60 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + args)
 
 
+#: The title a page of sections starts with when a script creates it.
+PAGE_TITLES = {"RESULTS.md": "precise-bn benchmarks", "SHIFT_RESULTS.md": "Recalibration under distribution shift",
+               "DISTRIBUTED_RESULTS.md": "Merging statistics across ranks",
+               "COMPRESSION_RESULTS.md": "Recalibrating pruned subnets",
+               "CAFFE2_RESULTS.md": "The Caffe2 backend against the original helper",
+               "INTERRUPTS.md": "Interrupt trials"}
+MACHINE = "machine"
+
+
+def _markers(key: str) -> Tuple[str, str]:
+    return "<!-- BEGIN {} -->".format(key), "<!-- END {} -->".format(key)
+
+
+def _machine_block(machine: str) -> str:
+    begin, end = _markers(MACHINE)
+    return "{}\nMachine: {}. Every section below ran on it unless it names another.\n{}".format(begin, machine, end)
+
+
+def _page_machine(text: str) -> Optional[str]:
+    found = re.search(r"<!-- BEGIN machine -->\nMachine: (.*)\. Every section below", text)
+    return found.group(1) if found else None
+
+
+def _with_machine(text: str, machine: str) -> str:
+    """``text`` with a machine block: the one it has, else one stating ``machine``, placed before
+    the first section."""
+    if _page_machine(text) is not None:
+        return text
+    first = text.find("<!-- BEGIN ")
+    if first < 0:
+        return text.rstrip("\n") + "\n\n" + _machine_block(machine) + "\n"
+    return text[:first] + _machine_block(machine) + "\n\n" + text[first:]
+
+
+def _naming_machine(body: str, machine: str) -> str:
+    """A section's ``body`` with a line naming its own machine under its title."""
+    title, _, rest = body.strip().partition("\n")
+    return "{}\n\nRan on another machine than the rest of this page: {}.\n{}".format(title, machine, rest)
+
+
 def write_section(path: Path, key: str, body: str) -> None:
     """Replace the part of ``path`` between this key's markers, keeping the rest of the file.
 
-    Each script owns its section of RESULTS.md, so either can be rerun alone, and text written
-    around the sections by hand survives.
+    Each script owns its section of a page, so either can be rerun alone, and text written
+    around the sections by hand survives. The page states its machine once (a ``machine``
+    block, written by the first section); a section run on another machine names its own.
     """
-    begin, end = "<!-- BEGIN {} -->".format(key), "<!-- END {} -->".format(key)
+    begin, end = _markers(key)
+    text = path.read_text() if path.exists() else "# {}\n".format(PAGE_TITLES.get(path.name, path.stem))
+    machine = machine_text()
+    text = _with_machine(text, machine)
+    if _page_machine(text) != machine:
+        body = _naming_machine(body, machine)
     block = "{}\n{}\n{}".format(begin, body.strip(), end)
-    text = path.read_text() if path.exists() else "# precise-bn benchmarks\n"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1]
@@ -271,6 +322,37 @@ def write_section(path: Path, key: str, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.touch()  # a new file gets the usual permissions, which atomic_write then keeps
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+_OLD_MACHINE = re.compile(r"Machine: (?P<where>[^;\n]+ \(\d+ logical cores\), \S+); "
+                          r"(?P<threads>torch\.set_num_threads\(\d+\)\.) (?P<versions>[^\n]*?precise-bn [^\s]+?)\. Run ")
+
+
+def machine_once(text: str) -> str:
+    """A page whose sections each state the machine (as scripts wrote them before the page
+    stated it once) with the machine stated once: the machine most of its sections ran on goes
+    into the page's machine block (unless it has one), each section keeps its threads, date
+    and load, and a section run elsewhere names its machine."""
+    sections = re.findall(r"<!-- BEGIN (.+?) -->\n(.*?)\n<!-- END \1 -->", text, re.S)
+    machines = {}
+    for key, body in sections:
+        found = _OLD_MACHINE.search(body)
+        if found and key != MACHINE:
+            machines[key] = "{}; {}".format(found.group("where"), found.group("versions"))
+    if not machines:
+        return text
+    counts = list(machines.values())
+    text = _with_machine(text, max(counts, key=counts.count))
+    page = _page_machine(text)
+    for key, machine in machines.items():
+        begin, end = _markers(key)
+        head, rest = text.split(begin + "\n", 1)
+        body, tail = rest.split("\n" + end, 1)
+        body = _OLD_MACHINE.sub(lambda m: m.group("threads") + " Run ", body, count=1)
+        if machine != page:
+            body = _naming_machine(body, machine)
+        text = head + begin + "\n" + body.strip() + "\n" + end + tail
+    return text
 
 
 def pyplot():
@@ -292,6 +374,11 @@ def plain_log_ticks(ax, values: Sequence[float]) -> None:
 
 
 def section_head(title: str, argv: Optional[Sequence[str]]) -> List[str]:
-    """A section's title and the line naming the command and the machine."""
-    return ["## " + title,
-            "Command: `{}`. {}".format(command_line(argv), environment_text(torch.get_num_threads()))]
+    """A section's title and the line naming the command and the run (the page states the machine)."""
+    return ["## " + title, "Command: `{}`. {}".format(command_line(argv), run_text(torch.get_num_threads()))]
+
+
+if __name__ == "__main__":  # python benchmarks/common.py PAGE...: state the machine once on pages written before
+    for name in sys.argv[1:]:
+        page = Path(name)
+        page.write_text(machine_once(page.read_text(encoding="utf-8")), encoding="utf-8")

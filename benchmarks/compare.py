@@ -201,7 +201,7 @@ def render_main(cfg: Config, args: argparse.Namespace, argv: Optional[Sequence[s
     return [
         "## precise-bn against the incumbents (`benchmarks/compare.py`)",
         "Command: `{}`".format(common.command_line(argv)),
-        common.environment_text(args.threads),
+        common.run_text(args.threads),
         "Methods: the plain train-mode forward under `no_grad` (the floor); `precise_bn.recompute` "
         "(every call of every BN layer measured from its input in float64, merged in float64, "
         "rounded into the buffers); fvcore `update_bn_stats`; "

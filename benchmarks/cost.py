@@ -153,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         text = "\n\n".join([
             "## The default pass against the forward and fvcore, in CPU time (`benchmarks/cost.py`)",
             "Command: `{}`".format(common.command_line(argv)),
-            common.environment_text(args.threads),
+            common.run_text(args.threads),
             common.markdown_table(cases.CASE_HEADERS, [r.cells for r in timed]),
             methods.time_table(timed, METHODS, clock="CPU time of the process") + "\n\n`precise-bn`: at steady "
             "state, its float64 sums compiled (the second call in the process and later); `{}`: the same pass "

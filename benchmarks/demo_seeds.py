@@ -73,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     text = "\n\n".join([
         "## What the demo shows, over seeds (`benchmarks/demo_seeds.py`)",
         "Command: `{}`".format(common.command_line(argv)),
-        common.environment_text(1),
+        common.run_text(1),
         "`precise-bn demo --steps {} --seed S`: the CNN with 4 BatchNorm layers trained on the 1347 bundled "
         "training digits, its checkpoint recalibrated by the `recompute` command's code, both checkpoints "
         "evaluated on the 450 held-out digits.".format(steps),

@@ -3,7 +3,8 @@
 Three exchanges, on W gloo ranks on this machine (W = 2, 4, 8 by default):
 
 * ``gather all``: the merge before the slicing, every rank all-gathering every rank's whole
-  statistics (``3 + 12 C`` float64 per layer) and merging all of them in rank order;
+  statistics (``3 + R C`` float64 per layer of ``C`` channels, ``R`` the
+  estimator's ``STATE_ROWS``) and merging all of them in rank order;
 * ``sliced``: :meth:`Ranks.merge_part` (each rank receives every rank's part of its slice of
   the channels and merges it) then :meth:`Ranks.assemble` (the merged slices all-gathered);
 * ``rtol round``: :meth:`Ranks.merge_part` then :meth:`Ranks.worst` (one float64 per layer
@@ -14,7 +15,7 @@ not bytes on the wire); times are medians over repetitions, the slowest rank's, 
 barrier. Then, in one process, the local work of one rank at W = 1024 (chunks made up, the
 merge itself real) and the exact byte counts from the slice plan at 1024 ranks.
 
-    python benchmarks/distributed_merge.py [--ranks 2 4 8] [--repeat 5]
+    python benchmarks/distributed_merge.py [--ranks 2 4 8] [--repeat 5] [--quick] [--out DIR]
 """
 from __future__ import annotations
 
@@ -31,13 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, command_line, environment_text, markdown_table, write_section  # noqa: E402
+from common import (add_common_arguments, command_line, markdown_table, parse_common, run_text,  # noqa: E402
+                    write_section)
 from precise_bn import slices  # noqa: E402
 from precise_bn.distributed import Ranks  # noqa: E402
-from precise_bn.estimator import PopulationStats  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "DISTRIBUTED_RESULTS.md"
-
+from precise_bn.estimator import STATE_ROWS, PopulationStats  # noqa: E402
 
 def resnet50_widths() -> List[int]:
     from torchvision.models import resnet50
@@ -140,9 +139,12 @@ def gather_all_local_seconds(widths: Sequence[int], world: int) -> float:
 
 def main(argv: Sequence[str] = ()) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args(list(argv) or None)
+    add_common_arguments(parser)
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="default 2 4 8 (2 with --quick)")
+    parser.add_argument("--repeat", type=int, default=None, help="default 5 (1 with --quick)")
+    args = parse_common(parser, list(argv) or None)
+    args.ranks = args.ranks or ([2] if args.quick else [2, 4, 8])
+    args.repeat = args.repeat or (1 if args.quick else 5)
     widths = resnet50_widths()
     payload = 8 * sum(PopulationStats.state_size(w) for w in widths)
     rows = []
@@ -154,7 +156,7 @@ def main(argv: Sequence[str] = ()) -> None:
             rows.append([world, name, "{:,.0f}".format(received),
                          "{:.2f}".format(planned[name] / payload), "{:.1f}".format(1000 * seconds)])
     scale = []
-    for world in (8, 64, 1024):
+    for world in ((8,) if args.quick else (8, 64, 1024)):
         planned = planned_bytes(widths, world)
         old_seconds = gather_all_local_seconds(widths, min(world, 64)) * world / min(world, 64)
         scale.append([world, "{:,.0f}".format(planned["gather all"]), "{:,.0f}".format(planned["sliced"]),
@@ -163,7 +165,7 @@ def main(argv: Sequence[str] = ()) -> None:
     body = "\n\n".join([
         "## The merge of statistics across ranks (ResNet-50: {} BN layers, {} channels, payload {:,} bytes "
         "per rank)".format(len(widths), sum(widths), payload),
-        "`{}`. {}".format(command_line(argv or None), environment_text(1)),
+        "Command: `{}`. {}".format(command_line(argv or None), run_text(1)),
         "Measured on W gloo ranks of this machine (all on its cores, so times include sharing them). "
         "Bytes: received per rank from the other ranks; x payload: that over one rank's payload. "
         "Time: the slowest rank, median of {} repetitions.".format(args.repeat),
@@ -172,14 +174,14 @@ def main(argv: Sequence[str] = ()) -> None:
         "slice, twice for the sliced merge; W-1 whole payloads for gather all), and the local CPU work "
         "of one rank measured in one process (gather all: merging W whole payloads, measured at "
         "min(W, 64) and scaled by W/min(W, 64); sliced: packing its W chunks, merging W chunks of its "
-        "slice and joining W merged slices). Formula: gather all receives 8 (W-1) (3 L + 12 C) bytes; the sliced merge "
-        "8 * 2 (W-1) S with S = 3 s + 12 ceil(C / W), s the most layers a slice touches, "
-        "so about 16 (12 C + 3 s W) bytes: flat in W up to the 3 s W term (s is 5 for ResNet-50 at 64 "
-        "ranks, 2 at 1024). The rtol round is half of that plus 8 bytes per layer.",
+        "slice and joining W merged slices). Formula: gather all receives 8 (W-1) (3 L + {r} C) bytes; the sliced "
+        "merge 8 * 2 (W-1) S with S = 3 s + {r} ceil(C / W), s the most layers a slice touches, "
+        "so about 16 ({r} C + 3 s W) bytes: flat in W up to the 3 s W term (s is 5 for ResNet-50 at 64 "
+        "ranks, 2 at 1024). The rtol round is half of that plus 8 bytes per layer.".format(r=STATE_ROWS),
         markdown_table(["ranks", "gather all (bytes)", "sliced (bytes)", "rtol round (bytes)",
                         "gather all, local merge (s)", "sliced, local merge (s)"], scale),
     ])
-    write_section(RESULTS, "distributed_merge", body)
+    write_section(args.out / "DISTRIBUTED_RESULTS.md", "distributed_merge", body)
     print(body)
 
 

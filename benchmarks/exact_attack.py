@@ -158,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     text = "\n\n".join([
         "## Generated attacks on the promise (`benchmarks/exact_attack.py`)",
         "Command: `{}` ({:.0f} s)".format(common.command_line(argv), time.perf_counter() - started),
-        common.environment_text(args.threads),
+        common.run_text(args.threads),
         "{} generated cases (`tests/attack_cases.py`, seeds 0 to {}), each run with the eager float64 sums and "
         "with the compiled ones. Per channel, the error of the written `running_mean` and `running_var` "
         "against the float64 two-pass reference of the same batches, in units of the promise's tolerance "

@@ -185,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     text = "\n\n".join([
         "## A fresh process: a 32-batch resnet18 pass against fvcore (`benchmarks/fresh_process.py`)",
         "Command: `{}` ({:.0f} s)".format(common.command_line(argv), time.perf_counter() - started),
-        common.environment_text(1, sums="Workers: `PRECISE_BN_COMPILE=auto`."),
+        common.run_text(1, sums="Workers: `PRECISE_BN_COMPILE=auto`."),
         "Each figure comes from its own fresh Python process: torchvision's resnet18 (random weights), "
         "{} batches of `torch.randn`, `torch.set_num_threads(1)`, one call timed by wall clock. `call`: the "
         "`recompute` or `update_bn_stats` call alone; `CPU time of the call`: the process's CPU time over "

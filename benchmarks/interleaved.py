@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     body = "\n\n".join([
         "## Per-call cost, batch by batch (`benchmarks/interleaved.py`)",
         "Command: `{}`".format(common.command_line(argv)),
-        common.environment_text(args.threads),
+        common.run_text(args.threads),
         common.markdown_table(cases.CASE_HEADERS, [case.describe(model)]),
         "Two copies of the model take the same batches alternately, one batch at a time; copy B "
         "is set up as the row says (see the script's docstring), copy A is plain. Median over {} "

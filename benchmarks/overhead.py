@@ -65,7 +65,7 @@ def render(timed: Sequence[methods.CaseResult], shifted: Sequence[methods.CaseRe
     parts = [
         "## Overhead over the forward pass (`benchmarks/overhead.py`)",
         "Command: `{}`".format(common.command_line(argv)),
-        common.environment_text(args.threads),
+        common.run_text(args.threads),
         "Sizes (random-init weights, inputs from `torch.randn`):",
         common.markdown_table(cases.CASE_HEADERS, [r.cells for r in timed]),
         methods.time_table(timed, METHODS),

@@ -5,8 +5,7 @@ The check runs every ``CHECK_EVERY`` batches once ``min_batches`` were read: it 
 layer's pending calls, (with several ranks) gathers and merges every rank's statistics, and
 computes channels' standard errors until a layer is not precise enough yet. To time it alone,
 ``rtol`` is set so small that it is never met: both passes read the same batches and differ only
-by the checks. Such checks stop at the first layer; :func:`check_ms` also times the last check of
-a pass that stops, which computes every layer's standard errors.
+by the checks. :func:`check_ms` times one check alone, as the driver makes it.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from precise_bn import recompute
 from precise_bn.data import count_samples, smart_forward
 from precise_bn.distributed import Ranks
 from precise_bn.driver import CHECK_EVERY
-from precise_bn.estimator import PopulationStats
 from precise_bn.precision import worst_ratio
 from precise_bn.pytorch.bn_pass import BNPass
 from precise_bn.pytorch.layers import select_layers
@@ -56,14 +54,14 @@ def single_process(case: Case, reps: int) -> Dict[str, float]:
             "ms_per_check": check_ms(case, NEVER_MET), "full_check_ms": check_ms(case, 1.0 - 1e-9)}
 
 
-def check_ms(case: Case, rtol: float, gather: Optional[Callable[[List[PopulationStats]], List[PopulationStats]]] = None
-             ) -> float:
-    """Milliseconds of one check, timed alone: merging the calls pending since the previous
-    check, ``gather`` (the merge over ranks, when given), then
-    :func:`~precise_bn.precision.worst_ratio` of every layer with ``rtol``. With an ``rtol`` never met it stops
-    at the first layer; with one every channel meets, it computes every layer's standard errors
-    (the last check of a pass that stops). Mean over the checks of a pass of ``case.batches``
+def check_ms(case: Case, rtol: float, ranks: Optional[Ranks] = None) -> float:
+    """Milliseconds of one check, timed alone, as the driver makes it: merging the calls pending
+    since the previous check, this rank's slice of every layer merged over ``ranks`` (one
+    process when not given), then the worst :func:`~precise_bn.precision.worst_ratio` with
+    ``rtol`` over the ranks. With an ``rtol`` never met or one every channel meets alike, every
+    layer's standard errors are computed. Mean over the checks of a pass of ``case.batches``
     batches, the first left out."""
+    ranks = ranks or Ranks(False)
     model, batches = case.build()
     bn_pass = BNPass(model, select_layers(model), smart_forward)
     spent: List[float] = []
@@ -74,8 +72,8 @@ def check_ms(case: Case, rtol: float, gather: Optional[Callable[[List[Population
             samples += count_samples(batch)
             if done % CHECK_EVERY == 0:
                 begin = time.perf_counter()
-                stats = bn_pass.collect()
-                max(worst_ratio(s, rtol, samples) for s in (gather(stats) if gather is not None else stats)) <= 1.0
+                part = ranks.merge_part(bn_pass.collect())
+                max(ranks.worst(part, lambda s: worst_ratio(s, rtol, samples)), default=0.0) <= 1.0
                 spent.append(time.perf_counter() - begin)
     return 1e3 * statistics.mean(spent[1:] or spent)
 
@@ -106,7 +104,7 @@ def _rank(rank: int, world: int, port: int, case: Case, reps: int, out: str) -> 
                 plain_seconds.append(seconds[FLOOR])
             else:
                 settle()
-        check = check_ms(Case(**dict(vars(case), seed=case.seed + rank)), NEVER_MET, Ranks(True).gather_stats)
+        check = check_ms(Case(**dict(vars(case), seed=case.seed + rank)), NEVER_MET, Ranks(True))
         if rank == 0:
             torch.save({"ratios": ratios, "seconds": plain_seconds, "check_ms": check}, out)
     finally:

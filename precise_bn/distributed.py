@@ -321,10 +321,6 @@ class Ranks:
         padded[: mine.numel()] = mine
         return slices.join(self._gather(padded, "merge of statistics"), part.plan, [s.name for s in part.local])
 
-    def gather_stats(self, stats: Sequence[PopulationStats]) -> List[PopulationStats]:
-        """Every rank's stats merged in rank order, on the CPU: identical bits on every rank."""
-        return self.assemble(self.merge_part(stats))
-
     def abort(self) -> None:
         """Answer the round the other ranks are in with a failure, unless this rank is past its
         last round or the group is broken; never raises (the caller re-raises its own error)."""

@@ -333,7 +333,6 @@ def _undo_refused(rank: int, world: int) -> Result:
 SCENARIOS: Dict[str, Callable[[int, int], Result]] = {
     "sliced_merge": _sliced_merge,
     "kernel": _plain,
-    "exact": lambda rank, world: _plain(rank, world, exact=True),
     "per_rank": lambda rank, world: _plain(rank, world, sync=False),
     "ddp": lambda rank, world: _ddp(rank, world, broadcast_buffers=True),
     "ddp_no_broadcast": lambda rank, world: _ddp(rank, world, broadcast_buffers=False),

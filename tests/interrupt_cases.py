@@ -252,20 +252,17 @@ def _undo_case(blocks: int, batches: List[torch.Tensor]) -> Case:
     return Case("undo", model, lambda: reports[0].undo(), recomputed)
 
 
-CASE_NAMES = ("recompute", "exact", "update_bn_stats", "hook-recompute", "hook-reapply", "hook-lend", "recalibrated",
+CASE_NAMES = ("recompute", "update_bn_stats", "hook-recompute", "hook-reapply", "hook-lend", "recalibrated",
               "undo")
 
 
 def make_case(name: str, blocks: int, num_batches: int) -> Case:
-    """One of :data:`CASE_NAMES`, with its expected state: ``recompute`` (default and
-    ``exact``), ``update_bn_stats``, a hook's recomputation at a new step, its re-apply of
-    the cached stats at the same step and its lending of an extra model's, a ``recalibrated``
-    block, ``undo`` after a recompute."""
+    """One of :data:`CASE_NAMES`, with its expected state: ``recompute``, ``update_bn_stats``,
+    a hook's recomputation at a new step, its re-apply of the cached stats at the same step and
+    its lending of an extra model's, a ``recalibrated`` block, ``undo`` after a recompute."""
     batches = make_batches(num_batches)
     if name == "recompute":
         case = _function_case(name, blocks, lambda m: recompute(m, batches, num_batches=num_batches, progress=False))
-    elif name == "exact":
-        case = _function_case(name, blocks, lambda m: recompute(m, batches, exact=True, progress=False))
     elif name == "update_bn_stats":
         case = _function_case(name, blocks, lambda m: update_bn_stats(m, batches, num_iters=num_batches))
     elif name == "hook-recompute":

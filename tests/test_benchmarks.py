@@ -76,6 +76,7 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernel
     text = (tmp_path / "RESULTS.md").read_text()
     for key in SECTIONS:
         assert text.count("<!-- BEGIN {} -->".format(key)) == 1 and text.count("<!-- END {} -->".format(key)) == 1
+    assert text.count("Machine: ") == 1 and "Ran on another machine" not in text
     for name in ("resnet_style_2d", "bn_mlp"):
         assert "| {} |".format(name) in text
     for method in methods.METHODS:
@@ -97,13 +98,48 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernel
 
 def test_write_section_replaces_only_its_own_block(tmp_path):
     path = tmp_path / "RESULTS.md"
-    common.write_section(path, "a", "first A")
-    common.write_section(path, "b", "first B")
+    common.write_section(path, "a", "## A\nfirst A")
+    common.write_section(path, "b", "## B\nfirst B")
     path.write_text(path.read_text() + "\nhand-written notes\n")
-    common.write_section(path, "a", "second A")
+    common.write_section(path, "a", "## A\nsecond A")
     text = path.read_text()
     assert "second A" in text and "first A" not in text and "first B" in text and "hand-written notes" in text
     assert text.index("second A") < text.index("first B")
+
+
+def test_a_page_states_its_machine_once_and_a_section_run_elsewhere_names_its_own(tmp_path, monkeypatch):
+    path = tmp_path / "SHIFT_RESULTS.md"
+    common.write_section(path, "a", "## A\n\nfirst A")
+    common.write_section(path, "b", "## B\n\nfirst B")
+    text = path.read_text()
+    assert text.startswith("# Recalibration under distribution shift\n")
+    assert text.count("Machine: ") == 1 and text.index(common.machine_text()) < text.index("<!-- BEGIN a -->")
+    monkeypatch.setattr(common, "machine_text", lambda: "another CPU (3 logical cores)")
+    common.write_section(path, "b", "## B\n\nsecond B")
+    text = path.read_text()
+    section_b = text[text.index("<!-- BEGIN b -->"):]
+    assert text.count("Machine: ") == 1 and text.count("another CPU") == 1
+    assert "## B\n\nRan on another machine than the rest of this page: another CPU (3 logical cores).\n" in section_b
+
+
+def test_a_page_written_before_gets_its_machine_stated_once():
+    def old(key, where, versions, run):
+        return ("<!-- BEGIN {0} -->\n## {0}\n\nCommand: `python x.py`. Machine: {1}; torch.set_num_threads(2). {2}. "
+                "Run {3}.\n\n| a |\n<!-- END {0} -->\n").format(key, where, versions, run)
+
+    here, there = "CPU A (2 logical cores), Linux-1", "CPU B (4 logical cores), Linux-2"
+    page = "# Page\n\nintro\n\n" + "\n".join([
+        old("one", here, "Python 3.13.0, precise-bn 0.2.0", "2026-12-01 10:00"),
+        old("two", there, "Python 3.11.7, precise-bn 0.2.0", "2026-12-01 11:00"),
+        old("three", here, "Python 3.13.0, precise-bn 0.2.0", "2026-12-01 12:00; 1-minute load average 1.00")])
+    text = common.machine_once(page)
+    assert common.machine_once(text) == text
+    assert text.count("Machine: ") == 1 and text.index("intro") < text.index("<!-- BEGIN machine -->")
+    assert "Machine: {}; Python 3.13.0, precise-bn 0.2.0. Every section".format(here) in text
+    assert "Command: `python x.py`. torch.set_num_threads(2). Run 2026-12-01 12:00; 1-minute load average 1.00." in text
+    two = text[text.index("<!-- BEGIN two -->"):text.index("<!-- END two -->")]
+    assert "Ran on another machine than the rest of this page: {}; Python 3.11.7, precise-bn 0.2.0.".format(there) in two
+    assert text.count("Ran on another machine") == 1 and text.count("| a |") == 3
 
 
 def _bn_only_batches():
@@ -159,6 +195,21 @@ def test_the_shift_and_compression_scripts_run_quick_and_undo_every_recalibratio
     assert (tmp_path / "shift.png").read_bytes()[:8] == PNG
     text = (tmp_path / "COMPRESSION_RESULTS.md").read_text()
     assert "| fixed 2,000 samples |" in text and "every bit it started with: **yes**" in text
+    assert text.startswith("# Recalibrating pruned subnets\n") and text.count("Machine: ") == 1
+
+
+def test_the_distributed_merge_runs_quick_on_two_ranks_and_writes_its_page(tmp_path):
+    import distributed_merge
+
+    threads = torch.get_num_threads()
+    try:
+        distributed_merge.main(["--quick", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    text = (tmp_path / "DISTRIBUTED_RESULTS.md").read_text()
+    assert text.startswith("# Merging statistics across ranks\n") and text.count("Machine: ") == 1
+    for row in ("| 2 | gather all |", "| 2 | sliced |", "| 2 | rtol round |", "| 8 | "):
+        assert row in text, row
 
 
 def test_robustas_mixing_in_the_shift_benchmark_is_what_it_is_described_as():

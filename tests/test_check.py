@@ -119,8 +119,6 @@ def test_the_drifts_shown_are_how_far_the_ema_statistics_are_off():
 def test_options_are_checked_before_anything_runs():
     model = _digits_model(steps=1)
     never = iter(())  # a pass would raise EmptyDataError: these must fail first
-    with pytest.raises(TypeError, match="'num_batch'.*did you mean 'num_batches'"):
-        check(model, never, num_batch=3)
     with pytest.raises(TypeError, match="check\\(\\) takes no prior"):
         check(model, never, prior=100)
     with pytest.raises(ConfigError, match="tolerance must be two numbers >= 0"):

@@ -113,7 +113,7 @@ def test_under_torchrun_the_ranks_merge_and_agree(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]), OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "precise_bn",
-         "check", str(tmp_path / "c.pt"), "--model", MODEL, "--data", "cli_factories:digit_shard",
+         "check", str(tmp_path / "c.pt"), "--model", MODEL, "--data", "factories:digit_shard",
          "--report", str(tmp_path / "r.json"), "-q", *TRUST],
         capture_output=True, text=True, env=env, timeout=600, cwd=str(TESTS))
     assert result.returncode == 1, result.stderr

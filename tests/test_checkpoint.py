@@ -15,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-from cli_factories import batches, trained_net
+from factories import batches, trained_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn import __version__
 from precise_bn.checkpoint.serializers import SAFE_LOAD_AVAILABLE
@@ -24,7 +24,7 @@ from precise_bn.cli.data_specs import resolve_data
 from reference import assert_close_exact, float64_reference
 
 BN_NAMES = ("1", "4", "9")
-FACTORIES = ["--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
+FACTORIES = ["--model", "factories:small_net", "--data", "factories:batches"]
 
 
 def optimizer_state(net: torch.nn.Module) -> dict:
@@ -167,7 +167,7 @@ def test_npz_data_with_and_without_key(tmp_path, capsys):
     torch.save({"model": net.state_dict()}, str(tmp_path / "c.pt"))
     for spec in ("npz:{}".format(tmp_path / "one.npz"), "npz:{}:images".format(tmp_path / "two.npz")):
         out = tmp_path / "out.pt"
-        args = ["recompute", str(tmp_path / "c.pt"), "--model", "cli_factories:small_net", "--data", spec,
+        args = ["recompute", str(tmp_path / "c.pt"), "--model", "factories:small_net", "--data", spec,
                 "--batch-size", "4", "--num-samples", "22", "--output", str(out), "--overwrite", "-q", *TRUST]
         assert main(args) == 0
         used = list(resolve_data(spec, batch_size=4))
@@ -175,7 +175,7 @@ def test_npz_data_with_and_without_key(tmp_path, capsys):
         assert torch.equal(torch.cat([b[0] for b in used]).sort(0)[0], images.float().sort(0)[0])
         check_stats(load(out)["model"], "", net, used)
     spec = "npz:{}".format(tmp_path / "two.npz")
-    assert main(["recompute", str(tmp_path / "c.pt"), "--model", "cli_factories:small_net", "--data", spec, "-q", *TRUST]) == 1
+    assert main(["recompute", str(tmp_path / "c.pt"), "--model", "factories:small_net", "--data", spec, "-q", *TRUST]) == 1
     assert "images, labels" in capsys.readouterr().err
 
 
@@ -244,12 +244,12 @@ def test_model_keys_not_matching_are_listed(tmp_path, capsys):
     path = tmp_path / "c.pt"
     torch.save(trained_net().state_dict(), str(path))
     result = run_cli(
-        capsys, "recompute", path, "--model", "cli_factories:small_net", "--model-kwargs", '{"extra_layer": true}',
-        "--data", "cli_factories:batches", *TRUST,
+        capsys, "recompute", path, "--model", "factories:small_net", "--model-kwargs", '{"extra_layer": true}',
+        "--data", "factories:batches", *TRUST,
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "missing from the checkpoint" in result.stderr and "11.running_mean" in result.stderr
-    assert main(["recompute", str(path), *FACTORIES[2:], "--model", "cli_factories:small_net",
+    assert main(["recompute", str(path), *FACTORIES[2:], "--model", "factories:small_net",
                  "--model-kwargs", '{"width": 5}', "-q", *TRUST]) == 1
     err = capsys.readouterr().err
     assert "different shapes" in err and "0.weight (checkpoint (4, 3, 3, 3), model (5, 3, 3, 3))" in err
@@ -309,11 +309,11 @@ def test_in_place_failure_mid_write_leaves_the_original(tmp_path, monkeypatch, c
 
 
 def test_model_without_bn_is_a_failure(tmp_path, capsys):
-    from cli_factories import no_bn_net
+    from factories import no_bn_net
 
     path = tmp_path / "c.pt"
     torch.save(no_bn_net().state_dict(), str(path))
-    args = ["recompute", str(path), "--model", "cli_factories:no_bn_net", "--data", "cli_factories:batches", "-q"]
+    args = ["recompute", str(path), "--model", "factories:no_bn_net", "--data", "factories:batches", "-q"]
     assert main(args + TRUST) == 1
     assert "no BatchNorm layer" in capsys.readouterr().err
     assert not (tmp_path / "c.precise_bn.pt").exists()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cli_factories import small_net, trained_net
+from factories import small_net, trained_net
 from cli_helpers import TRUST, run_cli
 from precise_bn.checkpoint.formats import load_checkpoint
 from precise_bn.checkpoint.state import match_model
 from precise_bn.errors import CheckpointError, Fix
 
-DATA = ["--data", "cli_factories:batches", "-q", *TRUST]
+DATA = ["--data", "factories:batches", "-q", *TRUST]
 
 
 def _fixes(capsys, *args):
@@ -25,11 +25,11 @@ def test_another_head_size_names_num_classes_read_from_the_checkpoint(tmp_path, 
     torch.manual_seed(0)
     path = tmp_path / "ft.pt"
     torch.save({"state_dict": {"model." + k: v for k, v in small_net(num_classes=7).state_dict().items()}}, str(path))
-    fixes = _fixes(capsys, path, "--model", "cli_factories:small_net", "--model-kwargs", '{"width": 4}', *DATA)
+    fixes = _fixes(capsys, path, "--model", "factories:small_net", "--model-kwargs", '{"width": 4}', *DATA)
     assert fixes == ["--model-kwargs '{\"width\": 4, \"num_classes\": 7}' (the checkpoint's 10.weight has 7 outputs, "
                      "the model's 3)"]
     out = tmp_path / "out.pt"
-    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--model-kwargs",
+    result = run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--model-kwargs",
                      '{"width": 4, "num_classes": 7}', "--output", out, *DATA)
     assert result.returncode == 0, result.stderr
 
@@ -46,23 +46,23 @@ def test_python_callers_get_fields_and_keyword_arguments_not_flags(tmp_path):
 def test_a_difference_beyond_the_head_suggests_no_head_size(tmp_path, capsys):
     path = tmp_path / "c.pt"
     torch.save(small_net(width=5, num_classes=7).state_dict(), str(path))
-    assert _fixes(capsys, path, "--model", "cli_factories:small_net", *DATA) == []
+    assert _fixes(capsys, path, "--model", "factories:small_net", *DATA) == []
 
 
 def test_a_wrong_prefix_names_the_prefix_that_matches(tmp_path, capsys):
     path = tmp_path / "c.pt"
     torch.save({"state_dict": {"model." + k: v for k, v in trained_net().state_dict().items()}}, str(path))
-    assert _fixes(capsys, path, "--model", "cli_factories:small_net", "--prefix", "module.", *DATA) == [
+    assert _fixes(capsys, path, "--model", "factories:small_net", "--prefix", "module.", *DATA) == [
         "--prefix model. (every model key is there)"]
 
 
 def test_several_prefixes_and_nested_state_dicts_are_offered_by_name(tmp_path, capsys):
     state = {p + k: v for p in ("student.", "teacher.") for k, v in trained_net().state_dict().items()}
     torch.save({"state_dict": state}, str(tmp_path / "two.pt"))
-    result = run_cli(capsys, "recompute", tmp_path / "two.pt", "--model", "cli_factories:small_net", *DATA)
+    result = run_cli(capsys, "recompute", tmp_path / "two.pt", "--model", "factories:small_net", *DATA)
     assert result.stderr.strip().endswith("choose one; pass --prefix student.; pass --prefix teacher.")
     torch.save({"ema": {"weights": trained_net().state_dict()}, "epoch": 2}, str(tmp_path / "nested.pt"))
-    result = run_cli(capsys, "recompute", tmp_path / "nested.pt", "--model", "cli_factories:small_net", *DATA)
+    result = run_cli(capsys, "recompute", tmp_path / "nested.pt", "--model", "factories:small_net", *DATA)
     count = len(trained_net().state_dict())
     assert result.stderr.strip().endswith("; pass --key ema/weights ({} tensors)".format(count)), result.stderr
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cli_factories import trained_net
+from factories import trained_net
 from cli_helpers import TRUST, run_cli
 from precise_bn.checkpoint import formats
 from precise_bn.checkpoint.state import Checkpoint
@@ -28,7 +28,7 @@ def test_a_new_format_is_one_class_listed_in_formats(tmp_path, monkeypatch, caps
     path, out = tmp_path / "c.npz", tmp_path / "c.precise_bn.npz"
     np.savez(str(path), **{k: v.numpy() for k, v in net.state_dict().items()})
     assert run_cli(capsys, "inspect", path).stdout.startswith("{}: npz checkpoint".format(path))
-    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:batches", "-q", *TRUST)
+    result = run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--data", "factories:batches", "-q", *TRUST)
     assert result.returncode == 0, result.stderr
     with np.load(str(out)) as written:
         assert sorted(written.files) == sorted(net.state_dict())

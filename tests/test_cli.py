@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_factories import batches, small_net
+from factories import batches, small_net
 from cli_helpers import REPO, TESTS, TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn.checkpoint.state import bn_layers
 from precise_bn.cli import main
@@ -115,7 +115,7 @@ def test_lightning_checkpoint_reloads_with_users_code(tmp_path, capsys):
     path, out = tmp_path / "last.ckpt", tmp_path / "last.precise.ckpt"
     trainer.save_checkpoint(str(path))
     original = load(path)
-    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:batches", "--output", out)
+    result = run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--data", "factories:batches", "--output", out)
     assert result.returncode == 0, result.stderr
     assert "prefix 'model.'" in result.stderr
     written = load(out)
@@ -159,8 +159,8 @@ def test_a_lightning_files_layers_have_the_same_names_in_recompute_and_inspect(t
     torch.manual_seed(0)
     state = {"model." + k: v for k, v in small_net().state_dict().items()}
     torch.save({"state_dict": state, "pytorch-lightning_version": "2.6.0", "global_step": 3}, str(tmp_path / "l.ckpt"))
-    result = run_cli(capsys, "recompute", tmp_path / "l.ckpt", "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:batches", "--report", tmp_path / "r.json", *TRUST)
+    result = run_cli(capsys, "recompute", tmp_path / "l.ckpt", "--model", "factories:small_net", "--data",
+                     "factories:batches", "--report", tmp_path / "r.json", *TRUST)
     assert result.returncode == 0, result.stderr
     names = [layer["name"] for layer in json.loads((tmp_path / "r.json").read_text())["layers"]]
     assert names == ["1", "4", "9"]
@@ -175,12 +175,12 @@ def test_a_lightning_files_layers_have_the_same_names_in_recompute_and_inspect(t
 
 
 def test_inspect_after_a_recompute_says_what_was_measured(tmp_path, capsys):
-    from cli_factories import Caffe2StyleNet
+    from factories import Caffe2StyleNet
 
     torch.manual_seed(0)
     torch.save({"model": Caffe2StyleNet().state_dict()}, str(tmp_path / "one.pt"))
-    args = ["recompute", tmp_path / "one.pt", "--model", "cli_factories:caffe2_style_net", "--data",
-            "cli_factories:batches", "-q", *TRUST]
+    args = ["recompute", tmp_path / "one.pt", "--model", "factories:caffe2_style_net", "--data",
+            "factories:batches", "-q", *TRUST]
     assert run_cli(capsys, *args).returncode == 0
     result = run_cli(capsys, "inspect", tmp_path / "one.precise_bn.pt", *TRUST)
     assert result.returncode == 0
@@ -238,13 +238,13 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
 
 def test_usage_errors_exit_2(tmp_path, capsys):
     torch.save(small_net().state_dict(), str(tmp_path / "a.pt"))
-    base = ["recompute", str(tmp_path / "a.pt"), "--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
+    base = ["recompute", str(tmp_path / "a.pt"), "--model", "factories:small_net", "--data", "factories:batches"]
     assert main(base + ["--num-iters", "0"]) == 2
     assert main(base + ["--num-iters", "3", "--num-samples", "3"]) == 2
     assert main(base + ["--output", "x.pt", "--in-place"]) == 2
     assert main(base + ["--model-kwargs", "{width: 3}"]) == 2
     assert main(base + ["--model-kwargs", "[3]"]) == 2
-    assert main(["recompute", str(tmp_path / "a.pt"), "--data", "cli_factories:batches"]) == 2
+    assert main(["recompute", str(tmp_path / "a.pt"), "--data", "factories:batches"]) == 2
     assert main([]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and "JSON" in err
@@ -256,11 +256,11 @@ def test_usage_errors_exit_2(tmp_path, capsys):
 def test_spec_errors_name_the_spec(tmp_path, capsys):
     torch.save(small_net().state_dict(), str(tmp_path / "a.pt"))
     cases = [
-        (["--model", "cli_factories:nope", "--data", "cli_factories:batches"], "has no attribute 'nope'"),
-        (["--model", "no_such_module_xyz:f", "--data", "cli_factories:batches"], "cannot import no_such_module_xyz"),
-        (["--model", "cli_factories:small_net", "--model-kwargs", '{"depth": 3}', "--data", "cli_factories:batches"], "depth"),
-        (["--model", "cli_factories:small_net", "--data", "cli_factories:fixed_batches", "--batch-size", "4"], "batch_size"),
-        (["--model", "cli_factories:small_net", "--data", "npz:{}".format(tmp_path / "none.npz")], "none.npz"),
+        (["--model", "factories:nope", "--data", "factories:batches"], "has no attribute 'nope'"),
+        (["--model", "no_such_module_xyz:f", "--data", "factories:batches"], "cannot import no_such_module_xyz"),
+        (["--model", "factories:small_net", "--model-kwargs", '{"depth": 3}', "--data", "factories:batches"], "depth"),
+        (["--model", "factories:small_net", "--data", "factories:fixed_batches", "--batch-size", "4"], "batch_size"),
+        (["--model", "factories:small_net", "--data", "npz:{}".format(tmp_path / "none.npz")], "none.npz"),
     ]
     for args, needle in cases:
         assert main(["recompute", str(tmp_path / "a.pt"), "-q"] + args + TRUST) == 1
@@ -268,7 +268,7 @@ def test_spec_errors_name_the_spec(tmp_path, capsys):
 
 
 def test_batch_size_reaches_a_factory_that_takes_it():
-    data = resolve_data("cli_factories:batches", {"n": 2}, batch_size=3)
+    data = resolve_data("factories:batches", {"n": 2}, batch_size=3)
     assert [len(x) for x, _ in data] == [3, 2]
 
 
@@ -305,8 +305,8 @@ def test_standalone_script_is_the_whole_command(tmp_path, monkeypatch, capsys):
     net = small_net()
     torch.save({"model": net.state_dict()}, str(tmp_path / "a.pt"))
     script = str(REPO / "scripts" / "recompute_precise_bn.py")
-    for args in (["recompute", str(tmp_path / "a.pt"), "--model", "cli_factories:small_net", "--data",
-                  "cli_factories:batches", "-q", *TRUST], ["inspect", str(tmp_path / "a.precise_bn.pt"), *TRUST]):
+    for args in (["recompute", str(tmp_path / "a.pt"), "--model", "factories:small_net", "--data",
+                  "factories:batches", "-q", *TRUST], ["inspect", str(tmp_path / "a.precise_bn.pt"), *TRUST]):
         monkeypatch.setattr(sys, "argv", [script] + args)
         with pytest.raises(SystemExit) as exit_:
             runpy.run_path(script, run_name="__main__")
@@ -319,12 +319,12 @@ def test_standalone_script_is_the_whole_command(tmp_path, monkeypatch, capsys):
 def test_quiet_recompute_prints_nothing(tmp_path, capsys):
     torch.manual_seed(0)
     torch.save({"model": small_net().state_dict()}, str(tmp_path / "a.pt"))
-    result = run_cli(capsys, "recompute", tmp_path / "a.pt", "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:batches", "--num-batches", "5", "-q", *TRUST)
+    result = run_cli(capsys, "recompute", tmp_path / "a.pt", "--model", "factories:small_net", "--data",
+                     "factories:batches", "--num-batches", "5", "-q", *TRUST)
     assert result.returncode == 0 and (tmp_path / "a.precise_bn.pt").exists()
     assert result.stdout == "" and result.stderr == ""
-    result = run_cli(capsys, "recompute", tmp_path / "a.pt", "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:batches", "--overwrite", *TRUST)
+    result = run_cli(capsys, "recompute", tmp_path / "a.pt", "--model", "factories:small_net", "--data",
+                     "factories:batches", "--overwrite", *TRUST)
     assert result.returncode == 0 and "mean drift" in result.stdout  # what -q leaves out
 
 
@@ -336,8 +336,8 @@ def test_installed_console_script(tmp_path):
     torch.save({"model": net.state_dict()}, str(tmp_path / "a.pt"))
     env = dict(os.environ, PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [script, "recompute", str(tmp_path / "a.pt"), "--model", "cli_factories:small_net", "--data",
-         "cli_factories:batches", "--output", str(tmp_path / "out.pt"), *TRUST],
+        [script, "recompute", str(tmp_path / "a.pt"), "--model", "factories:small_net", "--data",
+         "factories:batches", "--output", str(tmp_path / "out.pt"), *TRUST],
         capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env,
     )
     assert result.returncode == 0, result.stderr

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_factories import Caffe2StyleNet, batches, small_net
+from factories import Caffe2StyleNet, batches, small_net
 from cli_helpers import TRUST, assert_same_except, load, run_cli
 from precise_bn.checkpoint.state import STAT_SUFFIXES
 from precise_bn.cli import main
@@ -46,7 +46,7 @@ def test_caffe2_pickle_recompute_keeps_every_other_blob(tmp_path, capsys):
     path, out = tmp_path / "model_final.pkl", tmp_path / "model_final.precise.pkl"
     save_caffe2_pickle(blobs, str(path))
     result = run_cli(
-        capsys, "recompute", path, "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches", "--output", out,
+        capsys, "recompute", path, "--model", "factories:caffe2_style_net", "--data", "factories:batches", "--output", out,
     )
     assert result.returncode == 0, result.stderr
     written = read_caffe2_pickle(str(out))[1]
@@ -73,10 +73,10 @@ def test_caffe2_pickle_with_custom_name_rules(tmp_path):
         blobs[name] = value
     path, out = tmp_path / "stem.pkl", tmp_path / "stem.precise.pkl"
     save_caffe2_pickle(blobs, str(path))
-    args = ["recompute", str(path), "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches",
+    args = ["recompute", str(path), "--model", "factories:caffe2_style_net", "--data", "factories:batches",
             "--output", str(out), "-q"]
     assert main(args) == 1
-    assert main(args + ["--caffe2-rules", "cli_factories:STEM_RULES"]) == 0
+    assert main(args + ["--caffe2-rules", "factories:STEM_RULES"]) == 0
     written = read_caffe2_pickle(str(out))[1]
     assert sorted(written) == sorted(blobs) and written["stem_w_momentum"].tobytes() == blobs["stem_w_momentum"].tobytes()
     state = {"bn1.running_mean": torch.from_numpy(written["stem_bn_rm"]), "bn1.running_var": torch.from_numpy(written["stem_bn_riv"])}
@@ -140,7 +140,7 @@ def test_caffe2_recompute_keeps_every_other_entry_and_the_layout(layout, tmp_pat
     net, root = _caffe2_root(layout)
     path, out = tmp_path / "model_final.pkl", tmp_path / "model_final.precise.pkl"
     path.write_bytes(pickle.dumps(root, protocol=2))
-    args = ["recompute", str(path), "--model", "cli_factories:caffe2_style_net", "--data", "cli_factories:batches",
+    args = ["recompute", str(path), "--model", "factories:caffe2_style_net", "--data", "factories:batches",
             "--output", str(out), "-q"]
     assert main(args) == 0
     written = pickle.loads(out.read_bytes())

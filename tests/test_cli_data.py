@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_factories import batches, dict_batches, small_net
+from factories import batches, dict_batches, small_net
 from cli_helpers import TRUST, load, run_cli
 from precise_bn.cli import job
 from precise_bn.cli.data_specs import SeededSamples, resolve_data
@@ -37,7 +37,7 @@ def ckpt(tmp_path):
 def test_the_same_command_writes_the_same_bytes(ckpt, tmp_path, capsys, monkeypatch):
     path, _ = ckpt
     np.savez(str(tmp_path / "d.npz"), x=np.random.default_rng(1).normal(size=(40, 3, 8, 8)).astype(np.float32))
-    args = ["recompute", path, "--model", "cli_factories:small_net", "--data", "npz:{}".format(tmp_path / "d.npz"),
+    args = ["recompute", path, "--model", "factories:small_net", "--data", "npz:{}".format(tmp_path / "d.npz"),
             "--batch-size", "8", "-q", *TRUST]
     written = []
     for run in range(3):
@@ -87,7 +87,7 @@ def test_imagefolder_reads_every_image_without_randomness(ckpt, tmp_path, capsys
     path, net = ckpt
     _image_folder(tmp_path / "train")
     spec = "imagefolder:{}".format(tmp_path / "train")
-    args = ["recompute", path, "--model", "cli_factories:small_net", "--data", spec, "--data-kwargs", '{"size": 8}',
+    args = ["recompute", path, "--model", "factories:small_net", "--data", spec, "--data-kwargs", '{"size": 8}',
             "--batch-size", "4", "-q", *TRUST]
     for out in ("a.pt", "b.pt"):
         assert run_cli(capsys, *args, "--output", tmp_path / out, "--report", tmp_path / (out + ".json")).returncode == 0
@@ -122,7 +122,7 @@ def test_augment_is_seeded_per_image(ckpt, tmp_path, capsys):
     assert isinstance(dataset, SeededSamples)
     torch.manual_seed(123)
     assert torch.equal(dataset[4][0], augmented[0][4]) and torch.equal(dataset[4][0], dataset[4][0])
-    args = ["recompute", path, "--model", "cli_factories:small_net", "--data", spec, "--data-kwargs", '{"size": 8}',
+    args = ["recompute", path, "--model", "factories:small_net", "--data", spec, "--data-kwargs", '{"size": 8}',
             "--batch-size", "4", "--augment", "-q", *TRUST]
     for name, seed in (("s0.pt", "0"), ("s0b.pt", "0"), ("s1.pt", "1")):
         assert run_cli(capsys, *args, "--seed", seed, "--output", tmp_path / name).returncode == 0
@@ -136,11 +136,11 @@ def test_specs_without_a_scheme_suggest_one(ckpt, tmp_path, capsys):
     (tmp_path / "imgs").mkdir()
     np.save(str(tmp_path / "x.npy"), np.zeros((4, 3, 8, 8), np.float32))
     cases = [
-        (["--model", "cli_factories:small_net", "--data", str(tmp_path / "imgs")],
+        (["--model", "factories:small_net", "--data", str(tmp_path / "imgs")],
          "did you mean imagefolder:{}?".format(tmp_path / "imgs")),
-        (["--model", "cli_factories:small_net", "--data", str(tmp_path / "x.npy")],
+        (["--model", "factories:small_net", "--data", str(tmp_path / "x.npy")],
          "did you mean npz:{}?".format(tmp_path / "x.npy")),
-        (["--model", "nosuchmodel", "--data", "cli_factories:batches"],
+        (["--model", "nosuchmodel", "--data", "factories:batches"],
          "--model 'nosuchmodel': expected package.module:callable, torchvision:NAME or timm:NAME"),
     ]
     for args, needle in cases:
@@ -172,7 +172,7 @@ def test_a_flat_folder_of_images_is_read_as_it_is_and_nothing_else(ckpt, tmp_pat
     for x, y in zip(got, by_hand):
         np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=0, atol=1e-6)
     out = tmp_path / "out.pt"
-    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", spec, "--data-kwargs",
+    result = run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--data", spec, "--data-kwargs",
                      '{"size": 8, "drop_last": true}', "--batch-size", "2", "--output", out, "-q", *TRUST)
     assert result.returncode == 0, result.stderr
     read = list(resolve_data(spec, {"size": 8, "drop_last": True}, batch_size=2))
@@ -196,23 +196,23 @@ def test_images_beside_class_folders_are_reported_and_an_empty_folder_refused(tm
 
 
 def test_seed_reaches_a_factory_and_augment_only_imagefolder():
-    with pytest.raises(ConfigError, match="--seed: the data factory 'cli_factories:fixed_batches' takes no seed"):
-        resolve_data("cli_factories:fixed_batches", seed=3)
-    assert [len(x) for x, _ in resolve_data("cli_factories:batches", {"n": 2}, seed=3)] == [6, 3]
-    assert torch.equal(resolve_data("cli_factories:batches", seed=3)[0][0], batches(seed=3)[0][0])
+    with pytest.raises(ConfigError, match="--seed: the data factory 'factories:fixed_batches' takes no seed"):
+        resolve_data("factories:fixed_batches", seed=3)
+    assert [len(x) for x, _ in resolve_data("factories:batches", {"n": 2}, seed=3)] == [6, 3]
+    assert torch.equal(resolve_data("factories:batches", seed=3)[0][0], batches(seed=3)[0][0])
     with pytest.raises(ConfigError, match="--augment: only imagefolder"):
-        resolve_data("cli_factories:batches", augment=True)
+        resolve_data("factories:batches", augment=True)
 
 
 def test_unrecognised_batches_are_one_line_and_input_key_or_forward_fn_fix_them(ckpt, tmp_path, capsys):
     path, net = ckpt
-    base = ["recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:dict_batches", "-q",
+    base = ["recompute", path, "--model", "factories:small_net", "--data", "factories:dict_batches", "-q",
             *TRUST]
     result = run_cli(capsys, *base)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr
     assert "'image': Tensor[6, 3, 8, 8] float32" in lines[0] and "--input-key KEY" in lines[0]
-    for extra in (["--input-key", "image"], ["--forward-fn", "cli_factories:image_forward"]):
+    for extra in (["--input-key", "image"], ["--forward-fn", "factories:image_forward"]):
         out = tmp_path / "out.pt"
         assert run_cli(capsys, *base, *extra, "--output", out, "--overwrite").returncode == 0
         _check_stats(load(out)["model"], net, [(b["image"], b["label"]) for b in dict_batches()])
@@ -224,8 +224,8 @@ def test_budget_precision_and_timeout_options_reach_the_pass(ckpt, tmp_path, cap
     real = job.recalibrate_module
     monkeypatch.setattr(job, "recalibrate_module",
                         lambda net, data, opts, **kw: seen.append(opts) or real(net, data, opts, **kw))
-    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:batches", "--rtol", "0.5", "--min-batches", "2", "--timeout", "42",
+    result = run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--data",
+                     "factories:batches", "--rtol", "0.5", "--min-batches", "2", "--timeout", "42",
                      "--report", tmp_path / "r.json", "-q", *TRUST)
     assert result.returncode == 0, result.stderr
     (opts,) = seen

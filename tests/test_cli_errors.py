@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-import cli_factories
-from cli_factories import OneSampleHead, batches, small_net
+import factories
+from factories import OneSampleHead, batches, small_net
 from cli_helpers import TRUST, load, run_cli
 from precise_bn.checkpoint.formats import detect_format
 from precise_bn.cli.failures import one_line
 from precise_bn.cli.tables import table
 from reference import assert_close_exact, float64_reference
 
-FACTORIES = ["--model", "cli_factories:small_net", "--data", "cli_factories:batches"]
+FACTORIES = ["--model", "factories:small_net", "--data", "factories:batches"]
 
 
 def _one_line_error(result, code=1):
@@ -71,24 +71,24 @@ def test_malformed_provenance_is_shown_not_fatal(tmp_path, capsys):
 
 def test_cuda_without_cuda_is_refused_before_anything_runs(ckpt, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cli_factories.READ["batches"] = 0
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:counted_batches", "--device", "cuda", *TRUST)
+    factories.READ["batches"] = 0
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
+                     "factories:counted_batches", "--device", "cuda", *TRUST)
     assert result.returncode == 2  # a usage error naming the flag
     assert result.stderr.strip().splitlines()[-1].startswith(
         "precise-bn recompute: error: argument --device: device 'cuda': this machine or torch build has no CUDA device")
-    assert cli_factories.READ["batches"] == 0
+    assert factories.READ["batches"] == 0
 
 
 def test_a_batch_the_model_rejects_names_model_batch_origin_and_fix(ckpt, tmp_path, capsys):
     np.savez(str(tmp_path / "d.npz"), x=np.random.default_rng(0).normal(size=(9, 3, 8, 8)).astype(np.float32))
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
                      "npz:{}".format(tmp_path / "d.npz"), "--batch-size", "4", *TRUST)
     line = _one_line_error(result)
-    assert "--model 'cli_factories:small_net' on batch 3 raised ValueError: Expected more than 1 value per channel" in line
+    assert "--model 'factories:small_net' on batch 3 raised ValueError: Expected more than 1 value per channel" in line
     assert "(raised at torch/nn/functional.py:" in line and '"drop_last": true' in line
     assert not (tmp_path / "c.precise_bn.pt").exists()
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
                      "npz:{}".format(tmp_path / "d.npz"), "--batch-size", "4", "--data-kwargs", '{"drop_last": true}',
                      "-q", *TRUST)
     assert result.returncode == 0, result.stderr
@@ -97,8 +97,8 @@ def test_a_batch_the_model_rejects_names_model_batch_origin_and_fix(ckpt, tmp_pa
 def test_the_users_own_line_is_named_when_a_library_raised(tmp_path, capsys):
     path = tmp_path / "h.pt"
     torch.save(OneSampleHead().state_dict(), str(path))
-    result = run_cli(capsys, "recompute", path, "--model", "cli_factories:one_sample_head", "--data",
-                     "cli_factories:batches", *TRUST)
+    result = run_cli(capsys, "recompute", path, "--model", "factories:one_sample_head", "--data",
+                     "factories:batches", *TRUST)
     line = _one_line_error(result)
     source, number = OneSampleHead.forward.__code__.co_filename, OneSampleHead.forward.__code__.co_firstlineno
     here = "from {}:{} in forward".format(os.path.relpath(source), number + 2)
@@ -106,22 +106,22 @@ def test_the_users_own_line_is_named_when_a_library_raised(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model,data,needle", [
-    ("cli_factories:small_net", "cli_factories:broken_batches",
-     "--data 'cli_factories:broken_batches' (reading batch 3) raised OSError: [Errno 5] Input/output error reading "
+    ("factories:small_net", "factories:broken_batches",
+     "--data 'factories:broken_batches' (reading batch 3) raised OSError: [Errno 5] Input/output error reading "
      "shard 2 (raised at {factories}:"),
-    ("cli_factories:broken_factory", "cli_factories:batches",
-     "--model 'cli_factories:broken_factory' raised RuntimeError: weights server unreachable (raised at "
+    ("factories:broken_factory", "factories:batches",
+     "--model 'factories:broken_factory' raised RuntimeError: weights server unreachable (raised at "
      "{factories}:"),
 ], ids=["data", "model factory"])
 def test_errors_of_the_users_data_and_factories_name_them(ckpt, tmp_path, capsys, model, data, needle):
     result = run_cli(capsys, "recompute", ckpt, "--model", model, "--data", data, *TRUST)
-    assert needle.format(factories=os.path.relpath(cli_factories.__file__)) in _one_line_error(result)
+    assert needle.format(factories=os.path.relpath(factories.__file__)) in _one_line_error(result)
     assert not (tmp_path / "c.precise_bn.pt").exists()
 
 
 def test_debug_adds_the_traceback(ckpt, capsys):
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:broken_batches", "--debug", *TRUST)
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
+                     "factories:broken_batches", "--debug", *TRUST)
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr and "in broken_batches" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("precise-bn: error: --data")
@@ -155,12 +155,12 @@ def test_a_legacy_torch_file_named_pkl_is_read_as_one(tmp_path, capsys):
 
 
 def test_ctrl_c_and_sigterm_stop_with_their_exit_status_and_write_nothing(ckpt, tmp_path, capsys):
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:interrupted_batches", *TRUST)
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
+                     "factories:interrupted_batches", *TRUST)
     assert result.returncode == 130 and result.stderr.strip().endswith("precise-bn: interrupted")
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:terminated_batches", *TRUST)
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
+                     "factories:terminated_batches", *TRUST)
     assert result.returncode == 128 + signal.SIGTERM and "stopped by a termination signal" in result.stderr
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert sorted(os.listdir(tmp_path)) == ["c.pt"]
@@ -237,10 +237,10 @@ def test_a_closed_pipe_ends_inspect_quietly_with_status_0(ckpt, tmp_path):
     ("--timeout", "-1", "expected a positive number"),
 ])
 def test_a_bad_option_value_is_a_usage_error_naming_the_flag(ckpt, capsys, flag, value, says):
-    cli_factories.READ["batches"] = 0
-    result = run_cli(capsys, "recompute", ckpt, "--model", "cli_factories:small_net", "--data",
-                     "cli_factories:counted_batches", flag, value, *TRUST)
+    factories.READ["batches"] = 0
+    result = run_cli(capsys, "recompute", ckpt, "--model", "factories:small_net", "--data",
+                     "factories:counted_batches", flag, value, *TRUST)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith("precise-bn recompute: error: argument {}: ".format(flag)), last
-    assert says in last and cli_factories.READ["batches"] == 0
+    assert says in last and factories.READ["batches"] == 0
     assert "None" not in last  # a command line has no None

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import cli_factories
-from cli_factories import batches, trained_net
+import factories
+from factories import batches, trained_net
 from cli_helpers import TRUST, assert_same_except, bn_paths, load, run_cli, without
 from precise_bn.atomic import SUFFIX, TAG
 from reference import assert_close_exact, float64_reference
 
-COUNTED = ["--model", "cli_factories:small_net", "--data", "cli_factories:counted_batches"]
+COUNTED = ["--model", "factories:small_net", "--data", "factories:counted_batches"]
 BN_NAMES = ("1", "4", "9")
 
 
@@ -29,7 +29,7 @@ def ckpt(tmp_path):
     net = trained_net()
     path = tmp_path / "c.pt"
     torch.save({"model": net.state_dict(), "epoch": 4}, str(path))
-    cli_factories.READ["batches"] = 0
+    factories.READ["batches"] = 0
     return path, net
 
 
@@ -38,7 +38,7 @@ def _refused(capsys, ckpt_path, *args):
     before = ckpt_path.read_bytes()
     result = run_cli(capsys, "recompute", ckpt_path, *COUNTED, *args, "-q", *TRUST)
     assert result.returncode == 1, result
-    assert cli_factories.READ["batches"] == 0, "the pass ran before the refusal"
+    assert factories.READ["batches"] == 0, "the pass ran before the refusal"
     assert ckpt_path.read_bytes() == before
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("precise-bn: error: "), result.stderr
@@ -66,7 +66,7 @@ def test_outputs_that_would_destroy_an_input_or_each_other_are_refused(ckpt, tmp
     ]
     for args, needle in cases:
         assert needle in _refused(capsys, path, *args), args
-    npz_args = ["--model", "cli_factories:small_net", "--data", "npz:{}".format(tmp_path / "d.npz"),
+    npz_args = ["--model", "factories:small_net", "--data", "npz:{}".format(tmp_path / "d.npz"),
                 "--report", tmp_path / "d.npz", "-q", *TRUST]
     result = run_cli(capsys, "recompute", path, *npz_args)
     assert result.returncode == 1 and "refusing to overwrite --data" in result.stderr
@@ -126,7 +126,7 @@ def test_in_place_through_a_link_rewrites_the_target_and_keeps_mode_and_owner(ck
     os.chown(path, *owner)
     link = tmp_path / "last.ckpt"
     link.symlink_to(path.name)
-    result = run_cli(capsys, "recompute", link, "--model", "cli_factories:small_net", "--data", "cli_factories:batches",
+    result = run_cli(capsys, "recompute", link, "--model", "factories:small_net", "--data", "factories:batches",
                      "--in-place", "-q", *TRUST)
     assert result.returncode == 0, result.stderr
     assert link.is_symlink() and os.readlink(link) == path.name
@@ -193,7 +193,7 @@ def test_the_default_output_of_an_earlier_run_is_kept_unless_overwrite(ckpt, tmp
     path, _ = ckpt
     assert run_cli(capsys, "recompute", path, *COUNTED, "-q", *TRUST).returncode == 0
     first = (tmp_path / "c.precise_bn.pt").read_bytes()
-    cli_factories.READ["batches"] = 0
+    factories.READ["batches"] = 0
     assert "c.precise_bn.pt: the file exists" in _refused(capsys, path)
     assert (tmp_path / "c.precise_bn.pt").read_bytes() == first
 

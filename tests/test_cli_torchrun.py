@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_factories import small_net, trained_net
+from factories import small_net, trained_net
 from cli_helpers import REPO, TESTS, TRUST, load
 from precise_bn.cli.data_specs import RankBatches
 from reference import assert_close_exact, float64_reference
@@ -39,7 +39,7 @@ def test_two_ranks_read_each_sample_once_and_write_what_one_process_writes(tmp_p
     np.savez(str(tmp_path / "d.npz"), x=images.numpy())
     path = tmp_path / "c.pt"
     torch.save({"model": net.state_dict()}, str(path))
-    args = ["recompute", path, "--model", "cli_factories:small_net", "--data", "npz:{}".format(tmp_path / "d.npz"),
+    args = ["recompute", path, "--model", "factories:small_net", "--data", "npz:{}".format(tmp_path / "d.npz"),
             "--batch-size", BATCH, "--num-batches", 100]
     two = _run(*args, "--output", tmp_path / "two.pt", timeout=600)
     assert two.returncode == 0, two.stderr
@@ -65,9 +65,9 @@ def test_a_setup_failure_on_one_rank_fails_every_rank_at_once(tmp_path):
     path = tmp_path / "c.pt"
     torch.save({"model": small_net().state_dict()}, str(path))
     # The timeout is only a guard: rank 0 learns of rank 1's failure in the setup round, at once.
-    result = _run("recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:fails_on_rank_1",
+    result = _run("recompute", path, "--model", "factories:small_net", "--data", "factories:fails_on_rank_1",
                        "--timeout", "600", "-q", timeout=1200)
     assert result.returncode != 0
-    assert "precise-bn: error: --data 'cli_factories:fails_on_rank_1' raised FileNotFoundError" in result.stderr
+    assert "precise-bn: error: --data 'factories:fails_on_rank_1' raised FileNotFoundError" in result.stderr
     assert "precise-bn: error: rank(s) [1] failed" in result.stderr, result.stderr
     assert not (tmp_path / "c.precise_bn.pt").exists()

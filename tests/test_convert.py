@@ -155,7 +155,7 @@ def test_an_existing_out_is_refused_unless_overwrite_and_python_callers_get_the_
 
 def test_a_wrapper_prefix_left_in_the_keys_is_pointed_out_with_strip_prefix(tmp_path, capsys):
     pytest.importorskip("safetensors")
-    from cli_factories import small_net
+    from factories import small_net
 
     src = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"model." + k: v for k, v in small_net().state_dict().items()}, "epoch": 1}, str(src))
@@ -168,7 +168,7 @@ def test_a_wrapper_prefix_left_in_the_keys_is_pointed_out_with_strip_prefix(tmp_
 
 
 def test_torch_to_caffe2_failing_on_a_wrapper_prefix_names_strip_prefix(tmp_path, capsys):
-    from cli_factories import caffe2_style_net
+    from factories import caffe2_style_net
 
     src = tmp_path / "ddp.pt"
     torch.save({"module." + k: v for k, v in caffe2_style_net().state_dict().items()}, str(src))

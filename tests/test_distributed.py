@@ -83,7 +83,6 @@ def assert_matches_reference(results, batches, check, what):
 
 MERGED = {
     "kernel": (W.UNEVEN, assert_close_exact),
-    "exact": (W.UNEVEN, assert_close_exact),
     "ddp": (W.UNEVEN, assert_close_exact),
     "ddp_no_broadcast": (W.UNEVEN, assert_close_exact),
     "empty_rank": (W.RANK1_EMPTY, assert_close_exact),
@@ -316,17 +315,16 @@ def test_single_process_is_the_identity():
     stats = PopulationStats(2, name="bn")
     stats.add_call(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25]), 4)
     ranks = distributed.Ranks(enabled=True)
-    assert ranks.world == 1 and ranks.gather_stats([stats]) == [stats]
+    assert ranks.world == 1 and ranks.assemble(ranks.merge_part([stats])) == [stats]
     assert ranks.exchange(distributed.ACTIVE, 3, 12)[0].batches == 3
     ranks.abort()
     distributed.barrier()
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_syncbn_on_one_process_matches_reference_and_is_restored(exact):
+def test_syncbn_on_one_process_matches_reference_and_is_restored():
     model = W.make_model(sync_bn=True)
     batches = W.union_batches(W.UNEVEN, 3)
-    report = recompute(model, batches, exact=exact)
+    report = recompute(model, batches)
     check = assert_close_exact
     for name, (ref_mean, ref_var, count) in float64_reference(W.make_model(), batches).items():
         module = dict(model.named_modules())[name]

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 import dist_workers as W
 from precise_bn import ConfigError
 from precise_bn.mmengine import ExactPreciseBNHook, mm_forward
+from factories import tiny_net
 from reference import assert_close_exact, float64_reference
 
 pytestmark = pytest.mark.main_env
@@ -40,8 +41,7 @@ class Net(BaseModel):
 
     def __init__(self, data_preprocessor=None):
         super().__init__(data_preprocessor=data_preprocessor)
-        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3),
-                                 nn.BatchNorm1d(3), nn.Dropout(0.3))
+        self.net = nn.Sequential(*tiny_net(), nn.Dropout(0.3))
         self.steps = 0  # training forwards so far
         self.trained: List[List[int]] = []  # the sample indices of each training batch
         self.validated: Dict[int, Dict[str, torch.Tensor]] = {}  # steps -> the BN stats validation ran with

@@ -1,8 +1,9 @@
-"""Every place that lists the options agrees with their one definition, ``precise_bn.options.Options``:
-names, defaults and meanings."""
+"""Every place that lists or takes the options agrees with their one definition, ``precise_bn.options.Options``:
+names, defaults, meanings, and the same TypeError with a hint for a misspelt name at every entry point."""
 from __future__ import annotations
 
 import argparse
+import re
 import inspect
 from pathlib import Path
 
@@ -57,3 +58,72 @@ def test_an_option_rejected_by_options_is_rejected_for_the_same_reason_everywher
         Options(rtol=2)
     with pytest.raises(ConfigError, match="rtol"):
         recompute(None, [], rtol=2)
+
+
+def _entry_points():
+    """Every entry point that takes the options, called with ``**kw`` on a model and data that
+    a pass would fail on: a misspelt name must fail first."""
+    from torch import nn
+
+    from precise_bn import BatchNormHelper, check, recalibrated, update_bn_stats
+    from precise_bn.cli.check import check_checkpoint
+    from precise_bn.cli.job import recompute_checkpoint
+    from precise_bn.hooks import PreciseBNHook
+
+    def lightning(**kw):
+        from precise_bn.lightning import PreciseBNCallback
+        return PreciseBNCallback(**kw)
+
+    def mmengine(**kw):
+        from precise_bn.mmengine import ExactPreciseBNHook
+        return ExactPreciseBNHook(**kw)
+
+    def classy(**kw):
+        from precise_bn.classy import PreciseBatchNormHook
+        return PreciseBatchNormHook(10, **kw)
+
+    def classy_config(**kw):
+        from precise_bn.classy import PreciseBatchNormHook
+        return PreciseBatchNormHook.from_config(dict(num_samples=10, **kw))
+
+    model, never = nn.BatchNorm2d(3), iter(())
+    return {
+        "recompute": lambda **kw: recompute(model, never, **kw),
+        "update_bn_stats": lambda **kw: update_bn_stats(model, never, **kw),
+        "recalibrated": lambda **kw: recalibrated(model, never, **kw),
+        "check": lambda **kw: check(model, never, **kw),
+        "recompute_checkpoint": lambda **kw: recompute_checkpoint("absent.pt", model, never, **kw),
+        "check_checkpoint": lambda **kw: check_checkpoint("absent.pt", model, never, tolerance=(0.1, 0.1),
+                                                          alpha=0.01, **kw),
+        "Options.replace": lambda **kw: Options().replace(**kw),
+        "PreciseBNHook": lambda **kw: PreciseBNHook(model, never, **kw),
+        "BatchNormHelper": lambda **kw: BatchNormHelper(**kw),
+        "PreciseBNCallback": lightning,
+        "ExactPreciseBNHook": mmengine,
+        "PreciseBatchNormHook": classy,
+        "PreciseBatchNormHook.from_config": classy_config,
+    }
+
+
+MAIN_ENV = ("PreciseBNCallback", "ExactPreciseBNHook", "PreciseBatchNormHook", "PreciseBatchNormHook.from_config")
+# An entry point's own arguments, misspelt: the hint is among them too.
+OWN_MISSPELT = [("check", "alhpa", "alpha"), ("BatchNormHelper", "iter", "iters"),
+                ("PreciseBNHook", "eval_perod", "eval_period"), ("PreciseBNHook", "checkpoint_perod", "checkpoint_period"),
+                ("PreciseBNHook", "log_perod", "log_period"), ("PreciseBNHook", "extra_model", "extra_models"),
+                ("PreciseBNCallback", "atribute", "attribute"), ("PreciseBNCallback", "dta", "data"),
+                ("PreciseBNCallback", "num_batchs", "num_batches"),
+                ("PreciseBatchNormHook", "cache_sample", "cache_samples"),
+                ("PreciseBatchNormHook.from_config", "cache_sample", "cache_samples")]
+MISSPELT = ([(where, "exatc", "exact") for where in _entry_points()]
+            + [(where, "num_batchs", "num_batches") for where in ("recalibrated", "check")])
+
+
+@pytest.mark.parametrize("where, name, hint", [
+    pytest.param(*case, marks=[pytest.mark.main_env] if case[0] in MAIN_ENV else [], id="-".join(case[:2]))
+    for case in MISSPELT + OWN_MISSPELT])
+def test_a_misspelt_name_fails_at_once_naming_the_entry_point_and_the_closest_name(where, name, hint):
+    # recompute's keywords are Python's own: Python 3.13 adds the hint, older ones name the argument alone
+    hinted = "" if where == "recompute" else ".*did you mean {!r}".format(hint)
+    said = "{}.*{!r}".format(re.escape(where), name) + hinted
+    with pytest.raises(TypeError, match=said):
+        _entry_points()[where](**{name: 1})

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from cli_factories import batches as cli_batches
-from cli_factories import trained_net
+from factories import batches as cli_batches
+from factories import trained_net
 from cli_helpers import TRUST, load, run_cli
 from interrupt_cases import make_batches, make_model, model_state
 from precise_bn import ConfigError, UndoError, recalibrated, recompute
@@ -86,8 +86,6 @@ def test_undo_inside_the_block_is_not_repeated_on_exit():
 
 def test_options_are_checked_when_given():
     model = make_model(blocks=2)
-    with pytest.raises(TypeError, match="recalibrated.*'num_batchs'.*num_batches"):
-        recalibrated(model, make_batches(2), num_batchs=2)
     with pytest.raises(ConfigError, match="prior"):
         recalibrated(model, make_batches(2), prior=-1)
 
@@ -260,7 +258,7 @@ def test_the_command_line_takes_prior(tmp_path, capsys):
     net = trained_net()
     path, out = tmp_path / "c.pt", tmp_path / "out.pt"
     torch.save({"model": net.state_dict()}, str(path))
-    assert run_cli(capsys, "recompute", path, "--model", "cli_factories:small_net", "--data", "cli_factories:batches",
+    assert run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--data", "factories:batches",
                    "--prior", "16", "--output", out, "-q", *TRUST).returncode == 0
     state = load(out)["model"]
     data = cli_batches()

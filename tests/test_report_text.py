@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from cli_factories import batches, small_net
+from factories import batches, small_net
 from precise_bn import recompute
 from precise_bn.report import COLUMNS, DEFINITIONS, LARGE_DRIFT
 

@@ -85,7 +85,7 @@ def batches(shape=(4, 3, 6, 6), count=3, seed=0) -> List[torch.Tensor]:
 
 
 def assert_matches(model: nn.Module, reference, layers: Sequence[str]) -> None:
-    """The statistics of a pass measured in float64 (``exact=True``), against the reference."""
+    """The statistics of a pass, against the reference."""
     named = dict(model.named_modules())
     for layer in layers:
         mean, var, _ = reference[layer]
@@ -158,7 +158,7 @@ def test_qat_changes_only_the_bn_statistics_measured_with_observers_frozen(train
     data = batches()
     reference = frozen_reference(model, data)
     before = whole_state(model)
-    recompute(model, data, exact=True, progress=False)
+    recompute(model, data, progress=False)
     assert_only_stats_changed(before, whole_state(model), QAT_LAYERS)
     assert_matches(model, reference, QAT_LAYERS)
 
@@ -222,7 +222,7 @@ def test_norm_parametrizations_keep_their_buffers_and_the_stats_are_exact(kind):
     data = batches()
     reference = float64_reference(model, data)  # the same power iterations run in both
     before = whole_state(model)
-    recompute(model, data, exact=True, progress=False)
+    recompute(model, data, progress=False)
     assert_only_stats_changed(before, whole_state(model), ["1", "6"])
     assert_matches(model, reference, ["1", "6"])
     if "spectral" in kind:
@@ -312,7 +312,7 @@ def test_registered_buffers_attributes_and_rebound_parameters_are_undone():
     data = batches()
     reference = float64_reference(model, data)
     before = whole_state(model)
-    recompute(model, data, exact=True, progress=False)
+    recompute(model, data, progress=False)
     assert_only_stats_changed(before, whole_state(model), ["1"])
     assert "seen" not in model[0]._buffers and not hasattr(model[0], "last_shape")
     assert_matches(model, reference, ["1"])
@@ -379,7 +379,7 @@ def test_running_buffers_that_are_disjoint_views_of_one_tensor_are_accepted():
     model[1]._buffers["running_var"], model[3]._buffers["running_var"] = flat[:4], flat[4:]
     data = batches()
     reference = float64_reference(model, data)
-    recompute(model, data, exact=True, progress=False)
+    recompute(model, data, progress=False)
     assert_matches(model, reference, ["1", "3"])
     assert torch.equal(flat, torch.cat([model[1].running_var, model[3].running_var]))
 

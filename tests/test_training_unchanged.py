@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from factories import tiny_net
 from precise_bn.hooks import PreciseBNHook
 
 
@@ -36,8 +37,7 @@ class Augmented(Dataset):
 
 
 def make_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(),
-                         nn.Linear(64, 3), nn.BatchNorm1d(3))
+    return tiny_net(dropout=0.3)
 
 
 def seed_all(seed: int) -> None:

@@ -1,11 +1,28 @@
-"""Model and data factories that the command-line tests name in ``--model`` / ``--data`` specs."""
+"""The models, data and readings the tests share: the command-line tests name the factories in
+``--model`` / ``--data`` specs (``factories:small_net``), the others import them."""
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+
+def tiny_net(classes: int = 3, dropout: Optional[float] = None) -> nn.Sequential:
+    """Conv-BN-ReLU then Linear-BN1d on 3x6x6 images (BN layers ``1`` and ``5``, or ``1`` and
+    ``6`` with a ``dropout`` after the ReLU): the framework hooks' model. Seed before calling."""
+    layers: List[nn.Module] = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()]
+    if dropout is not None:
+        layers.append(nn.Dropout(dropout))
+    layers += [nn.Flatten(), nn.Linear(64, classes), nn.BatchNorm1d(classes)]
+    return nn.Sequential(*layers)
+
+
+def bn_stats(model: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of every BN layer's running mean and variance, by layer name."""
+    return {name: (m.running_mean.clone(), m.running_var.clone())
+            for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
 
 
 def small_net(width: int = 4, extra_layer: bool = False, num_classes: int = 3) -> nn.Module:
