@@ -120,7 +120,7 @@ class BufferRecord:
 
 
 class Snapshot:
-    """The recomputed layers' buffers before a call and as it left them (see the module docstring).
+    """The recomputed layers' buffers before a call and as it left them (see :meth:`undo`).
 
     Build it right after the write, in the same all-or-nothing call: ``saved`` lists
     ``(layer name, module, key, tensor, value before)`` for every buffer of every recomputed
