@@ -284,7 +284,8 @@ def recalibrate(backend: Backend, data: Iterable[Any], opts: Options, *, write: 
     try:
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
         backend.choose()
-        ranks.start(fingerprint(opts, backend.collect()))
+        if ranks.world > 1:
+            ranks.start(fingerprint(opts, backend.collect()))
         if not backend.names:  # on every rank: the first round compared the layers
             logger.warning("%s: nothing to recompute: %s", backend.label, backend.empty_reason)
             ranks.finish()
@@ -334,8 +335,9 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
         for layer, target in zip(report.layers, targets):
             layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
     name_not_recomputed(backend, report)
-    logger.info("%s: %s (%s) read in %.2f s; stopped: %s", label, counted(report.batches, "batch", "batches"),
-                counted(report.samples, "sample"), report.seconds, report.stop)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s: %s (%s) read in %.2f s; stopped: %s", label, counted(report.batches, "batch", "batches"),
+                    counted(report.samples, "sample"), report.seconds, report.stop)
     ranks.exchange(ACTIVE, round_="end")
     ranks.finish()
     return results, report
