@@ -55,7 +55,8 @@ class Backend(Protocol):
         """Choose the layers (``names``, ``eps``, ``dtypes`` are known afterwards)."""
 
     def old_stats(self) -> List[Stats]:
-        """Each layer's running mean and variance before the pass, float64 on the CPU."""
+        """Each layer's running mean and variance before the pass, float64 on the CPU, in
+        tensors of their own (after :meth:`attach`)."""
 
     def plan(self, batches: Optional[int]) -> None:
         """The number of batches the pass expects to read (None: unknown), before the first."""
@@ -312,11 +313,11 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
     label = backend.label
     logger.info("%s: measuring %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.kind)
-    old = backend.old_stats()
     planned = planned_batches(data, opts.num_batches)
     backend.plan(planned)
     warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
     backend.attach()
+    old = backend.old_stats()
     outcome = run_pass(backend, iter(data), opts, ranks, planned)
     if outcome.batches == 0:
         raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(

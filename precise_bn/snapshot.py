@@ -22,10 +22,8 @@ _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers, so that NaN equals NaN and -0.0 differs from 0.0."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view(_SAME_WIDTH_INTS[flat.element_size()])
-    return flat
+    tensor = tensor.detach()
+    return tensor.view(_SAME_WIDTH_INTS[tensor.element_size()]) if tensor.is_floating_point() else tensor
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -174,8 +174,11 @@ class BNPass:
         return flush(self.captures)
 
     def old_stats(self) -> List[Stats]:
-        """Each layer's running stats before the pass, float64 on the CPU."""
-        return [(m.running_mean.double().cpu(), m.running_var.double().cpu()) for _, m in self.layers]
+        """Each layer's running stats before the pass, float64 on the CPU: from the copies kept
+        when attaching, never the buffers themselves (which a float64 layer's would be)."""
+        assert self.state is not None
+        kept = [{key: value for key, _, value in self.state.saved_buffers(m)} for _, m in self.layers]
+        return [(k["running_mean"].double().cpu(), k["running_var"].double().cpu()) for k in kept]
 
     def _detach(self) -> None:
         while self._attached:
