@@ -69,7 +69,7 @@ _PHASE_OF = {
     "driver.py": {"run_pass": "pass", "update": "pass", "play": "pass", "finalize": "merge",
                   "build_report": "report", "warn_if_short": "report", "recalibrate": "driver"},
     "step_cache.py": {"_store": "write", "change": "write", "undo": "restore", "": "driver"},
-    "torch_aux.py": {"apply": "write", "copy": "write", "_prepare": "setup", "": "driver"},
+    "torch_job.py": {"apply": "write", "copy": "write", "_prepare": "setup", "": "driver"},
     "rng.py": {"__init__": "setup", "loader_generators": "setup", "": "driver"},
     "layers.py": {"": "setup"},
     "options.py": {"": "setup"},

@@ -30,15 +30,15 @@ from .errors import (
 #: command's start) does not wait for torch until something needs it.
 _LAZY = {
     "recompute": ".api", "recalibrated": ".api", "update_bn": ".api", "update_bn_stats": ".api", "check": ".api",
-    "PopulationStats": ".estimator", "BatchNormHelper": ".helper", "PreciseBNHook": ".hooks",
+    "PopulationStats": ".estimator", "BatchNormHelper": ".bn_helper", "PreciseBNHook": ".hooks",
     "Options": ".options", "get_bn_modules": ".pytorch.layers", "select_layers": ".pytorch.layers",
     "BNReport": ".report", "LayerReport": ".report", "CheckReport": ".staleness",
 }
 
 if TYPE_CHECKING:
     from .api import check, recalibrated, recompute, update_bn, update_bn_stats
+    from .bn_helper import BatchNormHelper
     from .estimator import PopulationStats
-    from .helper import BatchNormHelper
     from .hooks import PreciseBNHook
     from .options import Options
     from .pytorch.layers import get_bn_modules, select_layers

@@ -1,19 +1,12 @@
 """Atomic file replacement: a crash mid-write leaves the old file, never a torn one.
 
-The new content goes to a temporary file next to the target, which is then renamed over it.
-What else a replacement must keep, and why:
-
-* a symbolic link stays a link: the file it points to is replaced (Lightning's ``last.ckpt``
-  is often a link to the newest checkpoint, which is the file that must change);
-* the replaced file's mode and owner: a rename gives the path a new inode, created with the
-  writer's identity, so root rewriting a user's 0640 checkpoint would otherwise take it from
-  that user. Root gives it back (``chown``); anyone else keeps the group where they may;
-* cleanup on every failure: the temporary file is removed whatever is raised, and inside
-  :func:`atomic_write` a SIGTERM or SIGHUP left at its default action (which would kill the
-  process on the spot) raises :class:`~precise_bn.signals.Terminated` instead (the relays of
-  :mod:`precise_bn.signals`), so the cleanup runs then too;
-* a recognisable name, ``.NAME.precise-bn-XXXXXXXX.tmp``, cut to fit the file system's name
-  limit: ``kill -9`` cannot be caught, and :func:`stale_temporaries` finds what it left.
+The new content goes to a temporary file next to the target, renamed over it. A symbolic link
+stays a link (Lightning's ``last.ckpt``: its target is replaced); the replaced file keeps its
+mode and owner (root gives a user's file back with ``chown``); the temporary file is removed
+on every failure, a SIGTERM or SIGHUP inside :func:`atomic_write` included (raised as
+:class:`~precise_bn.signals.Terminated`); and it is named ``.NAME.precise-bn-XXXXXXXX.tmp``, so
+that :func:`stale_temporaries` finds what ``kill -9`` left. The rules: ``docs/cli.md``
+("Outputs").
 """
 from __future__ import annotations
 

@@ -3,22 +3,12 @@
     from precise_bn.classy import PreciseBatchNormHook
     task.set_hooks([PreciseBatchNormHook(num_samples=4096), CheckpointHook(...)])
 
-or, in a task config, ``{"name": "exact_precise_bn", "num_samples": 4096}`` (ClassyVision's own
-hook keeps the name ``"precise_bn"``).
-
-Same constructor arguments and schedule as ClassyVision's: at the end of every training phase
-the task's base model is recomputed on ``num_samples`` samples per replica (ClassyVision's
-meaning, where the other hooks count all ranks together), either cached from the phase's own
-batches (``cache_samples=True``) or read from the phase's training dataloader through a loader
-of its own (:mod:`precise_bn.reader`; ClassyVision's builds a new one), and the model is fed
-``sample["input"]``. Every random generator the pass draws from is put back, so the next phase
-trains as it would have without it. ClassyVision runs checkpoint hooks after the others, so the
-phase's checkpoint carries the new stats.
-
-What differs: ClassyVision's hook averages per-batch means and variances (fvcore), which is
-biased and ignores the spread of the batch means; this one writes the population statistics
-of all the samples seen, and with an initialised process group merges every replica's
-samples exactly, so all replicas end with identical stats.
+or, in a task config, ``{"name": "exact_precise_bn", "num_samples": 4096}``. Same arguments and
+schedule as ClassyVision's (the end of every training phase, ``num_samples`` per replica), but
+the population statistics of all samples seen, merged exactly across replicas, where
+ClassyVision averages per-batch statistics; the phase's data read through a loader of its own
+(:mod:`precise_bn.reader`) and every random generator put back. The differences, one by one:
+``docs/dropins.md``.
 """
 from __future__ import annotations
 
@@ -32,10 +22,10 @@ from torch import nn
 
 from .data import count_samples, move_to_device
 from .errors import BackendUnavailableError, ConfigError
-from .options import Options, check_names
+from .options import Options, check_names, own_arguments
 from .reader import read_privately
 from .signals import all_or_nothing
-from .torch_aux import recalibrate_untouched
+from .torch_job import recalibrate_untouched
 
 try:
     from classy_vision.hooks import ClassyHook, register_hook
@@ -85,7 +75,8 @@ class PreciseBatchNormHook(ClassyHook):
         self.num_samples = num_samples
         self.cache_samples = bool(cache_samples)
         self.options = Options.build("PreciseBatchNormHook", num_samples=math.ceil(num_samples),
-                                     forward_fn=_forward_input, also_known=("cache_samples",), **options)
+                                     forward_fn=_forward_input,
+                                     also_known=own_arguments(PreciseBatchNormHook.__init__), **options)
         self._cached: List[Any] = []
         self._cached_samples = 0
 

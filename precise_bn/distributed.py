@@ -1,36 +1,12 @@
 """A thin layer over ``torch.distributed``: who am I, and rounds in which ranks agree or fail together.
 
 Everything here is the identity on a single process (no process group, or a torch build
-without distributed support), so callers never branch on it.
-
-Why a process group of our own: collectives are matched by order alone within a group. A
-model's own collectives (FSDP's all-gathers, ZeRO's) issued on the user's group while one rank
-has run out of data would pair with that rank's round: gloo aborts on the size mismatch, or,
-worse, a shard the size of a header is read as one. The rounds therefore run on a
-``new_group`` over the same ranks, made once per default group, within the call's ``timeout``,
-and reused (:func:`channel_for`). A group the user passes as ``group=`` is used as it is:
-making a group of our own from it would need every process of the job to take part. Every
-header also carries a tag (which round) and a sequence number, so ranks out of step raise
-:class:`DistributedError` naming both sides instead of mixing rounds.
-
-Why rounds of fixed-size headers: ``all_gather`` needs equal sizes on every rank. Each round
-starts with every rank's header (tag, sequence, status, batches and samples so far, and in the
-first round a digest of the call's :func:`fingerprint`), so every rank sees the same facts and
-takes the same decision: go on, merge, or raise the same :class:`DistributedError`. Digests
-that differ are followed by one more fixed-size round carrying each field of every rank's
-fingerprint, so that every rank names the same fields and values. A rank that fails, at any
-point of its call, answers the round the others are in with a FAILED header
-(:meth:`Ranks.abort`); a rank that died or hangs is given up after ``timeout`` seconds, and the
-error says which. After a timeout the group of our own is dropped (an abandoned collective may
-still be pending in it) and the next call makes a new one; the user's group is untouched.
-
-Why a merge in rank order instead of ``all_reduce(SUM)`` of moments: a floating-point
-all-reduce sums in an order the backend chooses, which can differ between ranks and runs.
-Merging every rank's :class:`~precise_bn.estimator.PopulationStats` in rank order performs the
-very same float64 operations on every rank: the results, and every decision taken from them,
-are bit-identical. The merge is sliced by channel (:mod:`precise_bn.slices`), so that what a
-rank receives does not grow with the number of ranks; a decision that needs only a maximum
-per layer (the ``rtol`` stop) exchanges only that (:meth:`Ranks.worst`).
+without distributed support), so callers never branch on it. Rounds are ``all_gather`` s of
+fixed-size, tagged, numbered headers on a process group of our own (:func:`channel_for`), so no
+collective of the model pairs with them, every wait bounded by ``timeout``; a rank that fails
+answers the round the others are in (:meth:`Ranks.abort`). Statistics are merged in rank order,
+sliced by channel (:mod:`precise_bn.slices`), so every rank performs the same float64
+operations and takes the same decisions. Why each of these: ``docs/distributed.md``.
 """
 from __future__ import annotations
 

@@ -1,70 +1,15 @@
-"""Per-layer population statistics, accumulated exactly in float64, and their standard errors.
+"""Per-layer population statistics merged exactly in float64, and their standard errors.
 
-Why this shape of estimator:
+Per channel, the element count, the mean and ``M2 = sum (x - mean)^2``, all float64, merged with
+Chan's formula weighted by element counts: never ``E[x^2] - E[x]^2``, which cancels when a mean
+is large next to its std; every term of the merge is non-negative, so ``M2`` never goes below
+zero. The result is the biased variance of every element seen, what BatchNorm divides by.
+Beside them, the between-call moments behind the standard errors (the calls taken as independent
+draws), their own spread (:mod:`precise_bn.se_spread`) and the order diagnostics
+(:mod:`precise_bn.order`). This module knows nothing of modules, hooks or processes.
 
-* ``E[x^2] - E[x]^2`` in float32 (fvcore, the original Caffe2 helper) cancels catastrophically
-  when a channel's mean is large next to its std: with mean/std = 1e4 the two terms agree in
-  all 8 significant digits float32 has, and the variance comes out as noise, often negative.
-  We keep instead, per channel, the element count ``n``, the mean and ``M2 = sum (x - mean)^2``,
-  all in float64, and merge groups of calls with Chan et al.'s parallel formula::
-
-      delta = mean_b - mean_a
-      mean  = mean_a + delta * n_b / n
-      M2    = M2_a + M2_b + delta^2 * n_a * n_b / n
-
-  Every term is non-negative, so ``M2`` can never go below zero, and no large numbers are
-  subtracted from each other.
-* Weighting by the true element count ``n`` (batch x spatial positions, per call) instead of
-  averaging per-batch variances makes ragged batches, reused layers and uneven ranks exact;
-  the plain average of per-batch *unbiased* variances (swa_utils, pycls) is biased whenever
-  batches differ in size and always ignores the spread of the batch means.
-* The result is the *biased* variance of every element seen, which is what BatchNorm divides
-  by at inference. ``finalize(unbiased=True)`` gives ``M2 / (n - 1)`` for those who want it.
-
-Standard errors, from the spread between calls. Treat the calls as independent draws of
-``(n_i, m_i, v_i)`` (element count, mean, biased variance), as batches of a shuffled loader
-are. The written mean ``mu = sum n_i m_i / N`` is a ratio estimator; linearised (the delta
-method), its variance is estimated by ``sum n_i^2 (m_i - mu)^2 / (N^2 - sum n_i^2)`` over the k
-calls: ``k/(k-1) * sum n_i^2 (m_i - mu)^2 / N^2`` for equal counts, and unbiased whatever the
-counts when elements are independent (``k/(k-1)`` makes the standard error 2.2 times too small
-with 31 calls of 8 elements and one of 2,048). The written variance is ``s2 = sum n_i y_i / N``
-with ``y_i = v_i + (m_i - mu)^2``; its derivative in ``mu`` is ``-2 sum n_i (m_i - mu) / N = 0``, so to first order ``mu`` may be
-taken as known and the same formula applies to ``y_i - s2``. Both need, per channel, the
-``n_i^2``-weighted means and co-moments of ``u_i = (m_i - c, v_i, (m_i - c)^2)``, kept around a
-per-channel centre ``c`` (the first call's mean, so nothing large cancels even at
-mean/std = 1e4) and merged with the weighted form of Chan's formula; then with
-``a = (-2 (mu - c), 1, 1)``, ``y_i - s2 = a . (u_i - ubar)`` where ``ubar`` is the
-``n_i``-weighted mean of ``u``, which follows from ``mu``, ``s2`` and ``c``.
-
-What they assume. The calls must be independent draws: batches of a shuffled loader are, and
-so are the ranks' shares of one. Checked on a synthetic population and on the demo's CNN
-(``tests/test_precision.py``, ``benchmarks/budget.py``): two standard errors cover the true
-error in about 94% of channels after 32 calls; with k calls the ratio of error to standard
-error follows Student's t with k - 1 degrees of freedom more than a normal law (93.6% at
-k = 16), and skewed or heavy-tailed channels cover less (``benchmarks/CALIBRATION.md``).
-Consecutive batches that resemble each other break the assumption: an unshuffled data set
-sorted by class or by time, clips cut from the same few videos, a layer called several times
-in one forward on related inputs (multi-crop, two towers). Then the spread between calls
-understates how far the batches are from the population and the standard errors are
-optimistic. The calls' order shows some of it (:meth:`PopulationStats.order_stats`: the lag-1
-correlation and the trend of the ``e_i`` along the calls, from sums merged exactly in order,
-:mod:`precise_bn.order`), and :mod:`precise_bn.precision` flags such channels; what they cannot
-see is in ``docs/precision.md``.
-
-When the standard errors themselves are unreliable: heavy tails. Both standard errors are
-``sqrt(sum e_i^2 / (N^2 - sum n_i^2))`` with ``e_i = n_i (m_i - mu)`` (mean) or ``n_i (y_i - s2)``
-(variance): a mean over calls of ``e_i^2``, whose own relative variance is estimated by
-``r^2 = sum e_i^4 / (sum e_i^2)^2 - 1/k`` (for equal counts, ``(kappa - 1)/k`` with ``kappa``
-the calls' kurtosis). :meth:`PopulationStats.tail_spread` returns ``r``, from 15 power sums
-per channel merged exactly across blocks and ranks (:mod:`precise_bn.tails` derives it):
-about ``sqrt(2/k)`` for normal calls, falling as ``1/sqrt(k)`` while the fourth moment is
-finite, but staying near ``sqrt(1/j)`` when j calls carry most of the spread (Student's t
-with 2.5 degrees of freedom, a lognormal of sigma 2, a rare outlier, a channel active on a
-few samples): the standard error is then off by about ``r/2`` either way; such channels are
-marked and never let ``rtol`` stop a pass (:mod:`precise_bn.precision`). No statistic of the
-calls shows a tail not sampled yet: an outlier that no sample read has hit leaves ``r`` normal.
-
-This module knows nothing of modules, hooks or processes: it only merges numbers.
+Derivations: ``docs/numerics.md`` (the merge), ``docs/precision.md`` (standard errors, section
+"Derivations").
 """
 from __future__ import annotations
 
@@ -76,7 +21,7 @@ import torch
 
 from . import order as order_sums
 from .errors import NonFiniteStatsError
-from .tails import POWERS, affine, power_sums, spread_of_squares
+from .se_spread import POWERS, affine, power_sums, spread_of_squares
 
 #: ``sum e_i^2`` of the mean and of the variance, per channel (:meth:`PopulationStats.spreads`).
 Spreads = Tuple[torch.Tensor, torch.Tensor]

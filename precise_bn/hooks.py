@@ -1,19 +1,13 @@
 """Precise BN inside a training loop: recompute before evaluation and before each checkpoint.
 
     hook = PreciseBNHook(model, train_loader, num_batches=200, extra_models=[ema_model])
-    for step in range(1, max_steps + 1):
-        train_one_step()
-        if step % eval_every == 0:
-            hook.before_eval(step)
-            evaluate(model)
-        if step % save_every == 0:
-            hook.before_checkpoint(step)
-            save(model)
+    hook.before_eval(step)        # then evaluate(model)
+    hook.before_checkpoint(step)  # then save(model)
 
 An evaluation and a checkpoint at the same step get the very same statistics: the second call
-writes back what the first computed, unless the weights changed in between (see
-:mod:`precise_bn.step_cache`). A recomputation leaves the training run as it would have been
-without it: every random generator it draws from is put back (see :mod:`precise_bn.torch_aux`).
+writes back what the first computed, unless the weights changed in between
+(:mod:`precise_bn.step_cache`). The training run goes on as without it: every random generator
+is put back (:mod:`precise_bn.torch_job`). Details: ``docs/integrations.md``.
 """
 from __future__ import annotations
 
@@ -24,20 +18,16 @@ from torch import nn
 
 from .distributed import get_world_size, resolve_sync
 from .errors import ConfigError
-from .options import Options, positive_int
+from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing, write
-from .step_cache import StepCache
-from .torch_aux import TorchAuxModel, TorchCache
+from .step_cache import CachedRecomputations, StepCache
+from .torch_job import TorchJob, TorchCache
 
 LOGGER = logging.getLogger("precise_bn")
 
 
-OWN_ARGUMENTS = ("model", "data", "num_batches", "eval_period", "checkpoint_period", "extra_models", "forward_context",
-                 "logger")
-
-
-class PreciseBNHook:
+class PreciseBNHook(CachedRecomputations):
     """Framework-neutral pre-evaluation and checkpoint-time recalibration for a training loop.
 
     Args:
@@ -55,7 +45,7 @@ class PreciseBNHook:
         eval_period / checkpoint_period: :meth:`before_eval` / :meth:`before_checkpoint` act
             only when ``step % period == 0``, so a loop may call them every step.
         extra_models: more models recomputed on the same batches, e.g. an EMA or SWA copy of
-            the weights (see :class:`~precise_bn.torch_aux.TorchAuxModel`).
+            the weights (see :class:`~precise_bn.torch_job.TorchJob`).
         forward_context: a context entered around every forward of the pass, e.g. a
             framework's mixed-precision context.
         logger: where the hook says what it did (a line per call that acts: the report's
@@ -84,7 +74,8 @@ class PreciseBNHook:
         logger: Optional[logging.Logger] = LOGGER,
         **options: Any,
     ):
-        opts = Options.build("PreciseBNHook", num_batches=num_batches, also_known=OWN_ARGUMENTS, **options)
+        opts = Options.build("PreciseBNHook", num_batches=num_batches,
+                             also_known=own_arguments(PreciseBNHook.__init__), **options)
         positive_int("eval_period", eval_period, allow_none=False)
         positive_int("checkpoint_period", checkpoint_period, allow_none=False)
         if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
@@ -93,21 +84,11 @@ class PreciseBNHook:
         self.model = model
         self.eval_period = eval_period
         self.checkpoint_period = checkpoint_period
-        self.job = TorchAuxModel(model, data, opts, extra_models, forward_context)
+        self.job = TorchJob(model, data, opts, extra_models, forward_context)
         self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
         self.logger = logger
         self.lent: Optional[int] = None  # the extra model whose stats model's layers hold, see lend()
-
-    @property
-    def last_report(self) -> Optional[BNReport]:
-        """The report of the recomputation the current stats come from."""
-        return self.cache.report
-
-    @property
-    def recomputations(self) -> int:
-        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
-        return self.cache.recomputations
 
     @property
     def cached_stats(self) -> Optional[TorchCache]:
@@ -200,8 +181,8 @@ class PreciseBNHook:
             self.enabled = False
             return None
         done = self.cache.recomputations
-        report = self.cache.at((step, loaded_from, self.job.state()), lambda store: self.job.run(store, self._share()),
-                               self.job.apply)
+        report = self.cache.recompute_or_write_back((step, loaded_from, self.job.state()),
+                                                    lambda store: self.job.run(store, self._share()), self.job.apply)
         if self.logger is not None and self.cache.recomputations > done:
             self.logger.info("%s; for the %s at step %s", report.summary(), what, step)
         elif self.logger is not None:

@@ -3,35 +3,12 @@
     from precise_bn.lightning import PreciseBNCallback
     trainer = Trainer(callbacks=[PreciseBNCallback(num_batches=200), ModelCheckpoint(...)])
 
-The callback recomputes at the start of each validation and before each checkpoint, keyed by
-``trainer.global_step``, the checkpoint the weights were loaded from and the weights themselves
-(see :class:`precise_bn.PreciseBNHook`): a checkpoint written at the step of a validation gets
-the very stats that validation used, without another forward, while ``validate(ckpt_path=...)``
-or ``validate(other_module)`` after ``fit`` recomputes for the weights actually validated.
-Training is left bit for bit as it would have been without the callback: every random
-generator a recomputation draws from is put back, and the training DataLoader is read through a
-loader of its own (:mod:`precise_bn.reader`). With Lightning's ``WeightAveraging`` callbacks
-(``EMAWeightAveraging``), the averaged weights are recomputed with the module on the same
-batches: validation, which runs them with their buffers, and the file's ``state_dict``
-(averaged) and ``current_model_state`` (trained) each get their own statistics.
-``StochasticWeightAveraging`` copies its average into the module itself, which is what gets
-recomputed. Lines go to Lightning's logger, on rank 0.
-
-Why the checkpoint dict is rewritten too: Lightning (checked on 2.6) builds
-``checkpoint["state_dict"]`` *before* it calls the callbacks' ``on_save_checkpoint``. Plain
-strategies put references to the live buffers in it, which the in-place update reaches, but
-strategies that gather copies (and asynchronous checkpoint writers, while training goes on)
-would keep the old numbers, so the callback also writes its stats into that dict.
-
-Which files hold precise stats: every full checkpoint (the callback recomputes for it, or
-writes back what the validation at its step used). Lightning skips callbacks for weights-only
-files (``save_weights_only=True``): those hold what the module holds when they are written,
-the validated stats if written after the validation at their step (``ModelCheckpoint``'s
-default, at the end of validation), else Lightning's running averages; the callback warns at
-``setup`` about weights-only ``ModelCheckpoint`` s that save on a step count or a timer.
-
-Importing :mod:`precise_bn` never needs Lightning; this module does (``lightning``, or the
-older ``pytorch_lightning``).
+A :class:`~precise_bn.PreciseBNHook` driven by Lightning's callbacks: it recomputes at the start
+of each validation and before each checkpoint (keyed by the step, the checkpoint loaded from and
+the weights), writes into ``checkpoint["state_dict"]`` too, recomputes ``WeightAveraging``'s
+averaged copy with the module, and leaves training bit for bit as it was. Which files hold which
+statistics, and why: ``docs/integrations.md``. Importing :mod:`precise_bn` never needs
+Lightning; this module does (``lightning``, or the older ``pytorch_lightning``).
 """
 from __future__ import annotations
 
@@ -45,7 +22,7 @@ from torch import nn
 
 from .errors import BackendUnavailableError, ConfigError, PreciseBNWarning
 from .hooks import PreciseBNHook
-from .options import Options
+from .options import Options, own_arguments
 from .pytorch.layers import by_spec, select_layers
 from .reader import PrivateReader
 from .signals import all_or_nothing
@@ -77,9 +54,6 @@ def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoa
         "training)".format(type(loader).__name__)
     raise ConfigError("PreciseBNCallback: the trainer has {}; pass data=... (and forward_fn=... if its batches "
                       "need one)".format(what))
-
-
-OWN_ARGUMENTS = ("num_batches", "data", "attribute")
 
 
 class PreciseBNCallback(pl.Callback):
@@ -120,8 +94,8 @@ class PreciseBNCallback(pl.Callback):
         **options: Any,
     ):
         super().__init__()
-        self.options = Options.build("PreciseBNCallback", num_batches=num_batches, also_known=OWN_ARGUMENTS,
-                                     **options)
+        self.options = Options.build("PreciseBNCallback", num_batches=num_batches,
+                                     also_known=own_arguments(PreciseBNCallback.__init__), **options)
         self.data = data
         self.attribute = attribute
         self.hook: Optional[PreciseBNHook] = None

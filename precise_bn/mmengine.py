@@ -2,26 +2,12 @@
 
     custom_hooks = [dict(type="ExactPreciseBNHook", num_samples=8192, interval=1)]
 
-Importing this module registers the hook in mmengine's ``HOOKS`` (add
-``custom_imports = dict(imports=["precise_bn.mmengine"])`` to a config). It takes mmpretrain's
-``PreciseBNHook`` arguments, ``num_samples`` (all ranks together) and ``interval``, and every
-option of :func:`precise_bn.recompute`, checked when the hook is built. Where mmpretrain averages
-per-batch statistics with equal weights, this hook merges every BN call exactly.
-
-When: before each validation and each checkpoint during training that comes at a due point, the
-end of every ``interval``-th epoch (epoch loop) or iteration (iteration loop), counted from the
-iterations done, whatever triggers the validation or checkpoint. Validation and checkpoints
-after the same iteration share one pass: the file holds what validation used (mmengine builds
-the checkpoint's ``state_dict`` before ``before_save_checkpoint``, so the hook writes into it).
-mmengine calls ``before_save_checkpoint`` on rank 0 alone, so the pass for a ``CheckpointHook``
-runs just before it, on every rank, when that hook's own conditions say it saves now.
-With mmengine's ``EMAHook``, the EMA weights are recomputed with the model, on the same batches:
-validation runs them with their own statistics, and the file's ``state_dict`` (EMA weights) and
-``ema_state_dict`` (trained weights) each hold theirs. The runner's logger says what was done.
-
-Batches: by default the runner's training dataloader, read through a loader of its own
-(:mod:`precise_bn.reader`), each going through the model's data preprocessor and
-``model(..., mode="tensor")`` as in mmpretrain; ``data=`` and ``forward_fn=`` replace either.
+Importing this module registers the hook in mmengine's ``HOOKS``. It takes mmpretrain's
+``PreciseBNHook`` arguments and every option of :func:`precise_bn.recompute`, and recomputes
+before each validation and checkpoint at a due point, on every rank (mmengine calls
+``before_save_checkpoint`` on rank 0 alone, so that pass runs just before it), ``EMAHook``'s copy
+too, merging every BN call exactly where mmpretrain averages per-batch statistics. When, which
+files, and the differences from mmpretrain: ``docs/integrations.md`` ("OpenMMLab").
 """
 from __future__ import annotations
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import inspect
 import math
 import numbers
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -152,9 +153,7 @@ class Options:
         None, "a progress bar on stderr (`None`: when stderr is a terminal); its total is what will really be read")
     rtol: Optional[float] = _option(
         None, "stop early once about 95% of channels are within `rtol` of the population value (mean in std "
-        "units, variance relative): every channel's Student's t quantile times its standard error, taken one of "
-        "its own deviations high, within `rtol` (docs/precision.md; checked every 8 batches, after "
-        "`min_batches` batches)")
+        "units, variance relative; docs/precision.md)")
     min_batches: int = _option(DEFAULT_MIN_BATCHES, "batches read, over all ranks, before `rtol` may stop the pass")
     timeout: float = _option(
         DEFAULT_TIMEOUT, "seconds a rank waits for the others before raising `DistributedError` "
@@ -219,6 +218,14 @@ def check_names(where: str, given: Any, known: Sequence[str], hints_too: Sequenc
             close = difflib.get_close_matches(name, list(known) + list(hints_too), n=1)
             hint = "; did you mean {!r}?".format(close[0]) if close else ""
             raise TypeError("{}() got an unexpected keyword argument {!r}{}".format(where, name, hint))
+
+
+def own_arguments(function: Callable[..., Any]) -> Tuple[str, ...]:
+    """The named parameters of ``function`` but ``self``: what a hook's constructor takes
+    besides the options, for :meth:`Options.build`'s ``also_known``."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in inspect.signature(function).parameters.items()
+                 if p.kind in kinds and name != "self")
 
 
 def option_help(name: str) -> str:

@@ -2,7 +2,7 @@
 what a group of calls keeps of the order in which they ran.
 
 Per call ``i``, in order, let ``z_i = n_i (1, q_i, p_i)`` with ``q_i = m_i - c`` and
-``p_i = v_i + q_i^2`` around the layer's centre ``c`` (as in :mod:`precise_bn.tails`). The
+``p_i = v_i + q_i^2`` around the layer's centre ``c`` (as in :mod:`precise_bn.se_spread`). The
 deviations behind both standard errors are linear in it, ``e_i = b . z_i``, so a group keeps,
 per channel, ``sum z_i z_{i+1}^T`` over consecutive calls (lag-1 products), its first and last
 call's ``z`` (two groups merged add the pair across their boundary), ``sum t_i z_i`` with ``t_i``

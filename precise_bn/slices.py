@@ -1,18 +1,12 @@
 """The merge sliced by channel: which rank merges which channels, and the packing on the way.
 
-Why: gathering every rank's whole statistics makes each rank receive and merge W times its
-payload (``3 + STATE_ROWS * C`` float64 per layer of ``C`` channels). Every quantity of a
-:class:`~precise_bn.estimator.PopulationStats` but the three layer-wide counts is per channel,
-and its merge is elementwise; so the concatenated channels of all layers are cut into W
-contiguous slices, rank ``r`` receives every rank's part of slice ``r`` and merges them in rank
-order (the very operations one process merging the whole union in rank order performs on those
-channels), and the merged slices are then gathered. Each rank receives about twice its payload,
-whatever W.
-
-A slice crosses layer boundaries: it is a list of segments ``(layer, lo, hi)``; a segment
-travels as a packed state of its own (the layer's three counts, then the per-channel rows
-cut to ``lo:hi``). Pure functions, with no collective, so a test can play all ranks in one
-process.
+The concatenated channels of all layers are cut into W contiguous slices; rank ``r`` receives
+every rank's part of slice ``r``, merges them in rank order (the operations one process
+merging the union in rank order performs on those channels), and the merged slices are then
+gathered, so each rank receives about twice its payload whatever W. A slice is a list of
+segments ``(layer, lo, hi)``, each travelling as a packed state (the layer's three counts, then
+the per-channel rows cut to ``lo:hi``). Pure functions with no collective, so a test can play
+all ranks in one process. Why: ``docs/distributed.md`` ("How the merge scales").
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ carries, or the saved model scores differently from the validated one. The first
 key recomputes; any later call with the same key (evaluation, then checkpoint) writes the very
 same values back without running a forward, even if something touched the buffers in between.
 The key is the training step and, for PyTorch models, what the stats are a function of besides
-the data (:meth:`precise_bn.torch_aux.TorchAuxModel.state`: which modules, which weights), so
+the data (:meth:`precise_bn.torch_job.TorchJob.state`: which modules, which weights), so
 a checkpoint loaded or another module validated at the same step is recomputed, never given
 stats that belong to other weights. :class:`~precise_bn.BatchNormHelper` (either backend) and
 :class:`~precise_bn.PreciseBNHook` both keep one.
@@ -32,7 +32,8 @@ class StepCache(Generic[C]):
         self.recomputations = 0
 
     @all_or_nothing
-    def at(self, key: Any, compute: Callable[[Store], BNReport], apply: Callable[[C], None]) -> BNReport:
+    def recompute_or_write_back(self, key: Any, compute: Callable[[Store], BNReport],
+                                apply: Callable[[C], None]) -> BNReport:
         """``apply`` the cached values when ``key`` is the cached one (``None`` never is);
         else ``compute(store)``, which must call ``store(values, report)`` once it has written.
 
@@ -63,3 +64,19 @@ class StepCache(Generic[C]):
             self.key, self.value, self.report, self.recomputations = kept
 
         write(change, undo)
+
+
+class CachedRecomputations:
+    """What an object keeping a :class:`StepCache` as ``cache`` tells its users about it."""
+
+    cache: StepCache[Any]
+
+    @property
+    def last_report(self) -> Optional[BNReport]:
+        """The report of the recomputation the current stats come from."""
+        return self.cache.report
+
+    @property
+    def recomputations(self) -> int:
+        """How many times the stats were recomputed (calls that wrote cached stats back excluded)."""
+        return self.cache.recomputations

@@ -721,7 +721,7 @@ def test_original_three_calls_work_after_changing_only_the_import(c2, monkeypatc
                 add_forward(c2, self, "gpu_{}".format(i))
 
     original_modules(monkeypatch, original_config(), ModelBuilder)
-    from precise_bn import helper as bn_helper  # the one line a user of the original changes
+    from precise_bn import bn_helper  # the one line a user of the original changes
 
     bn_aux = bn_helper.BatchNormHelper()
     bn_aux.create_bn_aux_model(node_id=1)

@@ -20,7 +20,7 @@ from cli_helpers import REPO, TESTS, TRUST, assert_same_except, bn_paths, load, 
 from precise_bn.checkpoint.state import bn_layers
 from precise_bn.cli import main
 from precise_bn.cli.data_specs import resolve_data
-from precise_bn.cli.show import drift_figure, plot_drift
+from precise_bn.cli.inspect_cmd import drift_figure, plot_drift
 from precise_bn.cli.specs import resolve_model
 from precise_bn.errors import BackendUnavailableError, ConfigError
 from precise_bn.report import DEFINITIONS, LayerReport

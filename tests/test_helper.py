@@ -111,10 +111,11 @@ def _original_config_module(monkeypatch, iters):
 
 
 def test_original_calls_without_its_modules_fail_at_once_with_the_replacement_line(monkeypatch):
-    from precise_bn import helper as bn_helper
+    from precise_bn import bn_helper, helper
     from precise_bn.caffe2.original import REPLACEMENT
 
     monkeypatch.delitem(sys.modules, "models.model_builder_video", raising=False)
+    assert helper.BatchNormHelper is bn_helper.BatchNormHelper  # the earlier import path still works
     bn_aux = bn_helper.BatchNormHelper()
     with pytest.raises(ConfigError) as info:
         bn_aux.create_bn_aux_model(node_id=0)

@@ -11,14 +11,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 # Lowest first. A module belongs to the first layer with an entry that is its name or a package
 # holding it; the package root (re-exports) and ``__main__`` sit above everything.
 LAYERS = [
-    ["errors", "_version", "signals", "atomic", "digits", "rng", "tails", "order"],
+    ["errors", "_version", "signals", "atomic", "digits", "rng", "se_spread", "order"],
     ["options", "estimator", "slices", "moments", "buffers"],
     ["data", "reader", "distributed", "report", "snapshot", "precision", "staleness"],
     ["driver"],
     ["pytorch", "caffe2.net", "caffe2.stats", "caffe2.original", "caffe2.checkpoint", "caffe2.names"],
     ["api", "caffe2.backend"],
-    ["step_cache", "torch_aux"],
-    ["hooks", "helper"],
+    ["step_cache", "torch_job"],
+    ["hooks", "bn_helper", "helper"],
     ["lightning", "classy", "mmengine"],
     ["checkpoint"],
     ["cli"],

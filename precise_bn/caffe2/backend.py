@@ -1,12 +1,12 @@
 """The Caffe2 backend: run the aux net, measure its SpatialBN inputs, feed the result per device.
 
-After each run of the aux net every device's input of every layer is measured in float64
-(:func:`~precise_bn.caffe2.stats.measure_input`; Caffe2's own float32 ``E[x^2] - E[x]^2``
-cancels), the calls are merged exactly, and the merged mean and variance, rounded to nearest
-float32, are fed as ``{layer}_bn_rm`` / ``{layer}_bn_riv`` to every device, so all hold the same
-bits. An input holding NaN or Inf raises :class:`NonFiniteStatsError` naming layer, device and
-iteration. The pass itself (budget, progress, ranks, report, writing last) is the shared
-driver's (:mod:`precise_bn.driver`), as for PyTorch models. How and why: docs/caffe2.md.
+After each run of the aux net (:mod:`precise_bn.caffe2.net`) every device's input of every layer
+is measured in float64 (:func:`~precise_bn.caffe2.stats.measure_input`), never taken from
+Caffe2's float32 ``E[x^2] - E[x]^2``; every (device, iteration) call is merged by its element
+count, and the result, rounded to nearest float32, is fed as ``{layer}_bn_rm`` /
+``{layer}_bn_riv`` to every device, so all devices hold identical bits. A non-finite input
+raises :class:`NonFiniteStatsError` naming layer, device and iteration. The pass itself is the
+shared driver's (:mod:`precise_bn.driver`). Why: ``docs/caffe2.md``.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Caffe2 ``.pkl`` checkpoints: safe loading and atomic saving.
 
-Caffe2 tools (Detectron, video non-local nets, R(2+1)D) pickle ``{"blobs": {name: ndarray}}``
-(Detectron adds a ``"cfg"`` string next to it) or a flat ``{name: ndarray}``, often from
-Python 2. Unpickling runs whatever callable the file names, so :func:`read_caffe2_pickle`
-resolves only numpy's array, dtype and scalar rebuilders and plain containers; any other global
-is refused before anything is called. Writing back keeps every entry of the file and its
-layout; only the blobs given change.
-
-Files written here are read where Caffe2 runs, under numpy 1.x and often Python 2, with plain
-``pickle``. numpy 2 pickles its arrays through ``numpy._core``, a module numpy 1.x does not
-have, so :class:`_PortablePickler` names numpy's rebuilders by their ``numpy.core`` path, which
-every numpy release imports. A rewritten file keeps the pickle protocol of the file it replaces.
-
-This module needs numpy only, never Caffe2.
+Caffe2 tools pickle ``{"blobs": {name: ndarray}}`` (Detectron adds ``"cfg"``) or a flat
+``{name: ndarray}``, often from Python 2. Unpickling runs whatever callable the file names, so
+:func:`read_caffe2_pickle` resolves only numpy's array, dtype and scalar rebuilders and plain
+containers. Writing back keeps every entry, the layout and the pickle protocol; only the blobs
+given change. Those files are read under numpy 1.x, which has no ``numpy._core``, so
+:class:`_PortablePickler` names numpy's rebuilders by their ``numpy.core`` path. This module
+needs numpy only, never Caffe2.
 """
 from __future__ import annotations
 

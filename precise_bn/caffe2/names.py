@@ -1,21 +1,12 @@
 """Caffe2 blob names to and from PyTorch state-dict keys.
 
-A blob name splits into a layer and a parameter suffix, ``{layer}_w`` / ``_b`` for
-convolutions and FC layers and ``{layer}_s`` / ``_b`` / ``_rm`` / ``_riv`` for SpatialBN
-(``res2_0_branch2a_bn_s`` is layer ``res2_0_branch2a_bn``, weight). Rules map the layer part
-only; the suffix decides the PyTorch parameter (``_riv`` is a variance and is copied as is into
-``running_var``). Values are copied bit for bit, so Caffe2 -> PyTorch -> Caffe2 returns every
-mapped blob unchanged.
-
-Nothing is lost without being asked: a name no rule maps raises :class:`CheckpointError`
-listing it, unless ``unmapped="keep"`` (the tensor keeps its own name) or ``unmapped="drop"``.
-Only what is not model state by name (optimizer state, counters, SpatialBN's saved batch
-stats: :data:`CAFFE2_NOT_STATE`) is always left out, and listed as ``skipped``. The built-in
-rules map the model-zoo ResNets and the ResNet part of the video non-local nets (their 5-D
-convolution weights keep their shape); the non-local blocks' blobs (``nonlocal_conv{s}_{b}_*``)
-have no PyTorch counterpart and are kept or dropped as asked.
-
-This module needs numpy and torch only, never Caffe2.
+A blob name splits into a layer and a parameter suffix (``_w`` / ``_b``, SpatialBN's ``_s`` /
+``_b`` / ``_rm`` / ``_riv``); rules map the layer part, the suffix decides the PyTorch parameter,
+and values are copied bit for bit, so Caffe2 -> PyTorch -> Caffe2 returns every mapped blob
+unchanged. A name no rule maps raises :class:`CheckpointError` listing it, unless
+``unmapped="keep"`` or ``"drop"``; what is not model state (:data:`CAFFE2_NOT_STATE`) is always
+left out and listed. Rules and options: ``docs/caffe2.md`` ("precise-bn convert"). This module
+needs numpy and torch only, never Caffe2.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Checkpoint files as users have them: read without running their code, write back only BN stats.
 
-Layouts found from the file itself:
-
-* ``.safetensors``: a flat name -> tensor table plus a string metadata header;
-* a Caffe2 / Detectron ``.pkl`` blob dictionary, through :mod:`precise_bn.caffe2.checkpoint`
-  and :mod:`precise_bn.caffe2.names`;
-* anything ``torch.save`` wrote: a bare state dict, or a dict holding one under ``state_dict``
-  (Lightning), ``model`` (detectron2, torchvision references), ``model_state`` (pycls) or a key
-  the user names (``a/b`` for a nested one).
-
-Why the care when writing: users reload the result with their own code. So the whole loaded
-object is written back with the same serializer; only the ``running_mean`` / ``running_var``
-tensors of layers that were measured change, copied *in place* into the loaded tensors (their
-dtype, shape and any storage sharing are kept); optimizer state, epoch, hyper-parameters and EMA
-weights keep their exact bits. Tensors are read onto the CPU and written from there. A
-``precise_bn`` provenance entry is added where it cannot confuse a loader: next to the state
-dict in a dict checkpoint, or in the safetensors metadata, never inside a bare state dict
-(``load_state_dict(strict=True)`` would reject the extra key).
+One :class:`Format` per layout, found from the file itself: ``.safetensors``, a Caffe2 /
+Detectron ``.pkl`` blob dictionary, anything ``torch.save`` wrote (a bare state dict, or one
+under ``state_dict``, ``model``, ``model_state`` or a key the user names). Users reload the
+result with their own code, so the whole loaded object is written back with the same
+serializer, only the measured layers' ``running_mean`` / ``running_var`` copied in place into
+the loaded tensors (dtype, shape and storage sharing kept), and a ``precise_bn`` provenance
+entry added only where no loader trips on it (never inside a bare state dict). The layouts and
+guarantees: ``docs/cli.md`` ("Checkpoints").
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Where a command may write: every output resolved and checked before any work starts.
 
-A pass can take hours, and its outputs are written at the end. So an output that would destroy
-an input or another output, or that cannot be written at all, must be refused before the first
-batch, not after the last. :func:`check_paths` resolves each output through symbolic links and
-refuses, with one line naming the option and the fix:
-
-* an output that is an input or another output, by name, through a link, or by inode (a hard
-  link) -- except the checkpoint itself under ``--in-place``;
-* a folder: missing, or where the temporary file cannot be created (read-only, no permission:
-  found by creating and removing it); a name longer than the file system allows;
-* an existing file, unless ``overwrite``: replacing it loses what it held;
-* an existing file with other hard links (replacing it would leave the other names holding the
-  old content) unless ``break_hardlinks``; one owned by another user when not running as root
-  (it would change hands).
-
-Temporary files left by an earlier write that was killed are reported (as a warning), not
-removed: another process may still be writing.
+A pass can take hours and writes at the end, so an output that would destroy an input or
+another output, or that cannot be written at all, is refused before the first batch, with one
+line naming the option and the fix (:func:`check_paths`): an input or another output (by name,
+link or inode), a missing or unwritable folder, a name too long, an existing file without
+``overwrite``, a file with other hard links without ``break_hardlinks``, one owned by another
+user. Temporary files left by a killed write are reported, not removed: another process may
+still be writing. The rules: ``docs/cli.md`` ("Outputs").
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from .. import distributed
 from ..data import input_key_forward
 from ..options import ForwardFn, Options
 from ..signals import Terminated, relayed
-from . import convert, show
+from . import convert, inspect_cmd
 from .check import check_checkpoint, verdict_lines
 from .demo import run_demo
 from .failures import one_line
@@ -67,7 +67,7 @@ def _job_arguments(args: argparse.Namespace) -> Dict[str, Any]:
                                "progress": False if args.quiet else None, "model_kwargs": args.model_kwargs,
                                "data_kwargs": args.data_kwargs, "batch_size": args.batch_size, "seed": args.seed,
                                "augment": args.augment, "key": args.key, "prefix": args.prefix,
-                               "trust": args.trust_checkpoint, "caffe2_rules": show.rules_of(args),
+                               "trust": args.trust_checkpoint, "caffe2_rules": inspect_cmd.rules_of(args),
                                "break_hardlinks": args.break_hardlinks, "overwrite": args.overwrite}
     if args.min_batches is not None:
         options["min_batches"] = args.min_batches
@@ -143,7 +143,7 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
 
 
 COMMANDS: Dict[str, Callable[[argparse.Namespace], Optional[int]]] = {
-    "recompute": _recompute, "check": _check, "inspect": show.run, "convert": convert.run, "demo": _demo}
+    "recompute": _recompute, "check": _check, "inspect": inspect_cmd.run, "convert": convert.run, "demo": _demo}
 
 
 def _stdout_closed() -> None:

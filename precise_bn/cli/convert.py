@@ -18,7 +18,7 @@ from ..checkpoint.paths import check_output
 from ..checkpoint.state import wrapper_prefix
 from ..errors import CheckpointError, ConfigError, Fix
 from .failures import as_flag
-from .show import rules_of
+from .inspect_cmd import rules_of
 
 
 def convert_checkpoint(input: str, output: str, *, rules: Any = None, unmapped: str = "error",

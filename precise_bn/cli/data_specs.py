@@ -1,28 +1,11 @@
 """What ``--data`` names, turned into an iterable of batches: the same command reads the same batches.
 
-Data specs:
-
-* ``package.module:callable``: returns an iterable of batches (a DataLoader, a list, ...);
-  ``--batch-size`` and ``--seed`` are passed as ``batch_size=`` and ``seed=`` when the callable
-  takes those parameters.
-* ``imagefolder:DIR``: torchvision's ``ImageFolder`` (``DIR/CLASS/IMAGE``, batches of
-  ``(images, labels)``); or, when DIR has no subfolder, exactly the image files in DIR
-  (batches of images alone: BN statistics need no labels). By default the
-  usual evaluation transform, which has no randomness: the shorter side resized to
-  ``size / 0.875``, a centre crop of ``size``, normalisation by ``mean`` and ``std``. With
-  ``--augment``, the usual training transforms instead (a random resized crop of ``size`` with
-  ``scale``, a horizontal flip), drawn for sample ``i`` from a generator seeded by
-  ``(--seed, i)``: the same crops in every run, whatever the order, workers or ranks.
-  Options (``--data-kwargs``): ``size`` (224), ``scale``, ``mean``, ``std`` (ImageNet's),
-  ``shuffle``, ``drop_last``, ``num_workers``.
-* ``npz:FILE[:KEY]``: one array of a ``.npz`` (or a ``.npy``), split into batches along its
-  first axis; floating arrays become the default float dtype. Options: ``shuffle``,
-  ``drop_last`` (a last batch of one sample breaks a BatchNorm1d in training mode).
-
-Built-in data are shuffled with ``--seed`` (default 0): a sample budget smaller than the data
-then sees a representative subset, not the first classes of a sorted folder, and the same seed
-gives the same batches. Under ``torch.distributed`` rank ``r`` of ``W`` reads batches ``r``,
-``r + W``, ... of those (:class:`RankBatches`): no sample padded or repeated.
+``package.module:callable`` (given ``batch_size=`` and ``seed=`` when it takes them),
+``imagefolder:DIR`` (torchvision's ``ImageFolder``, or the images of a flat folder; the
+evaluation transform, or with ``--augment`` the training ones drawn from ``(--seed, i)``) and
+``npz:FILE[:KEY]`` (one array split along its first axis). Built-in data are shuffled with
+``--seed``, and under ``torch.distributed`` rank ``r`` of ``W`` reads batches ``r``, ``r + W``,
+... (:class:`RankBatches`). Every spec and option: ``docs/cli.md`` ("Model and data").
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """Capture every call of a BN layer and measure it in float64, for one read of its input.
 
-How a call is seen. For the pass, each chosen layer's class is swapped for a subclass (same
-name) whose ``forward`` hands the call to the layer's :class:`CallCapture`. ``nn.Module``'s
-call keeps its hook-free fast path, and module replicas (``nn.DataParallel``) inherit the class
-and the capture like any attribute. Deep-copying or pickling a layer during the pass gives the
-plain layer it is outside the pass.
-
-How a call is measured. The layer's own computation runs as usual, in training mode with
-``momentum = 1`` and a per-layer slot as its running buffers, so its buffers are never written
-during the pass and the slot receives the call's batch mean. The input is then measured in
-float64 around that mean (:func:`precise_bn.moments.measure`; around its own mean for a
-subclass's forward, whose slot is not relied on). Each call's float64 mean and variance wait
-in a per-layer block that is merged into the layer's
-:class:`~precise_bn.estimator.PopulationStats` every few dozen calls in one vectorised step.
-
-Why SyncBatchNorm runs as plain BN: a per-call all-gather would pair up with another rank's
-merge, or hang as soon as ranks have different numbers of batches; normalising each rank's batch
-alone is what one process does over the union of the ranks' batches, and the end-of-pass merge
-then counts every element once.
+Each chosen layer's class is swapped for a subclass of the same name whose ``forward`` hands the
+call to the layer's :class:`CallCapture`: the layer computes as usual, with ``momentum = 1`` and
+a per-layer slot as running buffers (its own buffers are never written during the pass), then
+its input is measured in float64 around the batch mean the slot received
+(:func:`precise_bn.moments.measure`). Calls wait in a per-layer block merged into the layer's
+:class:`~precise_bn.estimator.PopulationStats` in one vectorised step. SyncBatchNorm runs as
+plain BN: each rank's batch alone, merged at the end (no per-call collective to pair up or
+hang). Why: ``docs/numerics.md`` ("One call"), ``docs/distributed.md``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Everything the forwards of a pass may change in a PyTorch model, kept before it and put back.
 
-The forwards run in training mode and can change more than the BN statistics: an observer
-learns ranges (and resizes its buffers on first use), spectral norm iterates, a module counts
-its calls, registers a buffer, sets an attribute, clamps a parameter. :class:`ModelState`
-keeps, per module, its class, its attributes and its tables of parameters, buffers and
-submodules (the objects themselves); per buffer, where its data lives (storage, offset, sizes,
-strides, dtype) and a copy of its value; per parameter, only its ``_version`` counter.
-Copying every parameter would double the memory of a pass for something forwards rarely do,
-so a parameter written in place is refused instead (:meth:`ModelState.check_parameters`);
-a write through ``.data`` does not move the counter and is not seen.
-
-:meth:`ModelState.restore` puts every object back, points a buffer whose data moved back at
-its own storage before anything is written (torch can leave a tensor with sizes its storage
-cannot hold, when a resize is refused half-way because the buffer was exported with
-``.numpy()``), then writes only the buffers whose bits differ.
+Training-mode forwards can change more than the BN statistics (observers, spectral norm,
+counters, new buffers or attributes). :class:`ModelState` keeps, per module, its class,
+attributes and tables of parameters, buffers and submodules; per buffer, where its data lives
+and a copy of its value; per parameter, only its ``_version`` counter: a parameter written in
+place is refused (:meth:`ModelState.check_parameters`) rather than copied, which would double a
+pass's memory. :meth:`ModelState.restore` puts every object back, points a buffer whose data
+moved back at its own storage before anything is written, then writes only the buffers whose
+bits differ. What is put back, and why: ``docs/interrupts.md``.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """Sharded models (FSDP1, FSDP2 ``fully_shard``): the full parameters gathered once for a pass.
 
-Why: an FSDP forward all-gathers its unit's parameters and frees them after. In a pass whose
-ranks hold different numbers of batches, a rank whose data ended stops issuing those
-collectives while the others still do, and they are left waiting for a partner that never
-comes. Gathering every unit's full parameters once, before the first batch (every rank at the
-same point, in the same module order), and running the forwards without FSDP's per-forward
-collectives makes each rank's forwards purely local, however many there are:
-
-* FSDP2: every ``FSDPModule`` is unsharded (``unshard()``) with resharding after forward off;
-  afterwards the resharding setting is put back and the modules that were sharded are
-  resharded;
-* FSDP1: ``FullyShardedDataParallel.summon_full_params(writeback=False)`` over the model, and
-  each FSDP1 wrapper forwards straight to the module it wraps (its own forward would gather
-  and free again); leaving the summon frees the full parameters.
-
-:meth:`FullParameters.restore` undoes whatever :meth:`FullParameters.gather` did, in reverse,
-and may be called again (a pass that fails restores the sharding too). The parameters'
-values are never changed; memory grows to the full parameters for the length of the pass.
+A rank whose data ended would stop issuing FSDP's per-forward all-gathers while the others
+still wait for them; so every unit's full parameters are gathered once, before the first batch
+(every rank at the same point, in the same module order), and the forwards run with no
+collective. :meth:`FullParameters.restore` undoes whatever :meth:`FullParameters.gather` did,
+in reverse, and may be called again; the parameters' values are never changed. Why and how, per
+FSDP version: ``docs/distributed.md`` ("FSDP").
 """
 from __future__ import annotations
 

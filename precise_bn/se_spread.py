@@ -1,21 +1,11 @@
-"""The algebra of the tail diagnostic (:meth:`precise_bn.estimator.PopulationStats.tail_spread`):
-count⁴-weighted power sums of the calls' moments, and their exact affine maps.
+"""The algebra of the standard errors' own spread
+(:meth:`precise_bn.estimator.PopulationStats.tail_spread`, the heavy-tails diagnostic).
 
-The spread of a standard error needs ``sum e_i^4`` over the calls, with ``e_i = n_i (y_i - s2)``
-for the variance and ``n_i (m_i - mu)`` for the mean (see :mod:`precise_bn.estimator`). Per
-channel we keep ``S_ab = sum n_i^4 p_i^a q_i^b`` for ``a + b <= 4`` (15 sums), of
-``q_i = m_i - c`` and ``p_i = v_i + q_i^2`` (the call's second moment around ``c``), around
-the layer's centre ``c`` (its first call's mean), so that no mean of 1e4 std enters a power.
-``p`` is not centred: its fourth central moment comes out of raw sums of values near the
-variance, which costs about ``(var / spread)^4`` ulps, 1e-5 relative when calls of 1e6
-elements are independent draws; ample for a diagnostic compared with a threshold, and no
-per-block move (a second centre would be another group's). With ``d = mu - c``,
-``y_i - s2 = p_i - 2 d q_i + (d^2 - s2)`` and ``m_i - mu = q_i - d``: both are affine in
-``(p_i, q_i)``, and the power sums of an affine image ``(p + alpha q + gamma, q + delta)`` are an
-exact linear map of ``S``, the multinomial expansion of each power (:func:`affine`); a degree
-never grows, so 15 sums are closed under it. Merging two groups moves one onto the other's
-centre by such a map (``q' = q + d``, ``p' = p + 2 d q + d^2`` for centres ``d`` apart), after
-which power sums simply add; groups of one process share the layer's centre and just add.
+Per channel, the 15 count⁴-weighted power sums ``S_ab = sum n_i^4 p_i^a q_i^b`` (``a + b <= 4``)
+of the calls' moments around the layer's centre, and their exact affine maps: moving a group
+onto another centre, or onto the deviations behind each standard error, is a linear map of
+``S`` (:func:`affine`), after which power sums add. Derived in ``docs/precision.md``, section
+"Derivations".
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``TorchAuxModel``: what the training-loop integrations recompute on PyTorch, and how.
+"""``TorchJob``: what the training-loop integrations recompute on PyTorch, and how.
 
 The PyTorch counterpart of :class:`~precise_bn.caffe2.backend.Caffe2AuxModel`: one or more
 models recalibrated together on an endless source of batches, without changing the training
@@ -42,7 +42,7 @@ def recalibrate_untouched(model: nn.Module, data: Iterable[Any], opts: Options,
         kept.restore()
 
 
-class TorchAuxModel:
+class TorchJob:
     """One or more models recalibrated together on an endless source of batches.
 
     With ``extra_models`` (an EMA or SWA copy), each batch runs through ``model`` and then

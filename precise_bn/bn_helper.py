@@ -1,0 +1,155 @@
+"""``BatchNormHelper``: the original Caffe2 tool's lifecycle, on either backend.
+
+    helper = BatchNormHelper(cfg)                 # or BatchNormHelper(iters=200, ...)
+    helper.create_bn_aux_model(model, data)       # once
+    helper.compute_and_update_bn_stats(curr_iter) # before each test and each checkpoint
+
+A second call at the same iteration writes back the cached stats without a forward
+(:mod:`precise_bn.step_cache`). Users of video-nonlocal-net's helper change only the import line
+(``from precise_bn import bn_helper``): the original's global config and model builder are
+found where the training script loaded them (:mod:`precise_bn.caffe2.original`), or the call
+fails at once with the line that replaces it. See ``docs/caffe2.md``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from torch import nn
+
+from .errors import ConfigError
+from .options import Options, own_arguments, positive_int
+from .report import BNReport
+from .signals import all_or_nothing
+from .step_cache import CachedRecomputations, StepCache
+from .torch_job import TorchJob
+
+# The original tool's config keys and the settings they map to.
+CONFIG_KEYS = {
+    "iters": "TRAIN.ITER_COMPUTE_PRECISE_BN",
+    "bn_epsilon": "MODEL.BN_EPSILON",
+    "num_gpus": "NUM_GPUS",
+    "root_gpu_id": "ROOT_GPU_ID",
+    "log_period": "LOG_PERIOD",
+}
+DEFAULTS: Dict[str, Any] = {
+    "iters": 200,
+    "bn_epsilon": 1e-5,
+    "num_gpus": 1,
+    "root_gpu_id": 0,
+    "log_period": 10,
+    "device_prefix": "gpu",
+}
+BACKENDS = ("torch", "caffe2")
+# Options of recompute() that have no meaning for a Caffe2 net.
+TORCH_ONLY = ("forward_fn", "device", "layers", "autocast")
+
+
+def config_value(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """Read ``A.B.C`` from an attribute-style (yacs, AttrDict) or nested-mapping config."""
+    node = cfg
+    for part in dotted.split("."):
+        if isinstance(node, dict):
+            if part not in node:
+                return default
+            node = node[part]
+        elif hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def _settings(cfg: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    settings = dict(DEFAULTS)
+    if cfg is not None:
+        for key, dotted in CONFIG_KEYS.items():
+            value = config_value(cfg, dotted)
+            if value is not None:
+                settings[key] = value
+    for key in list(kwargs):
+        if key in DEFAULTS:
+            settings[key] = kwargs.pop(key)
+    for key in ("iters", "num_gpus", "log_period"):
+        positive_int("{} ({})".format(key, CONFIG_KEYS.get(key, key)), settings[key], allow_none=False)
+    return settings
+
+
+class BatchNormHelper(CachedRecomputations):
+    """Recompute precise BN stats periodically, on the ``"torch"`` or ``"caffe2"`` backend.
+
+    Settings come from ``cfg`` (the original keys, see :data:`CONFIG_KEYS`; without ``cfg``, the
+    original tool's global ``core.config.config`` when its training script loaded it) and are
+    overridden by keyword arguments: ``iters``, ``bn_epsilon``, ``num_gpus``, ``root_gpu_id``,
+    ``log_period``, ``device_prefix``. Every other keyword argument is an option of
+    :func:`precise_bn.recompute` (``exact``, ``rtol``, ``sync``, ``device``...), checked now.
+    ``backend=None`` picks the backend from the model given to :meth:`create_bn_aux_model`:
+    torch for an ``nn.Module``, caffe2 for anything else (a Caffe2 net, or no model at all).
+    On the torch backend ``bn_epsilon``, ``num_gpus`` and ``root_gpu_id`` are carried by the
+    modules themselves and only matter to the Caffe2 backend.
+    """
+
+    def __init__(self, cfg: Any = None, *, backend: Optional[str] = None, **kwargs: Any):
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError("backend must be 'torch', 'caffe2' or None, got {!r}".format(backend))
+        self.backend = backend
+        if cfg is None:
+            from .caffe2.original import original_config
+
+            cfg = original_config()
+        self.cfg = cfg
+        self.settings = _settings(cfg, kwargs)
+        self.options = Options.build("BatchNormHelper", num_batches=self.settings["iters"],
+                                     log_period=self.settings["log_period"],
+                                     also_known=(*own_arguments(BatchNormHelper.__init__), *DEFAULTS), **kwargs)
+        self._given = set(kwargs)
+        self.aux: Any = None
+        self.cache: StepCache[Any] = StepCache()
+
+    @property
+    def iters(self) -> int:
+        return int(self.settings["iters"])
+
+    def create_bn_aux_model(self, model: Any = None, data: Any = None, *, node_id: Optional[int] = None,
+                            **kwargs: Any) -> Any:
+        """Prepare the forward-only aux pass over ``model`` and return the aux object.
+
+        torch: ``model`` is the ``nn.Module`` (its BN layers are checked now), ``data`` an
+        iterable of batches (re-iterated when it runs out); ``kwargs`` are more options of
+        :func:`precise_bn.recompute`. caffe2: see :class:`precise_bn.caffe2.backend.Caffe2AuxModel`.
+        No ``model`` (the original's ``create_bn_aux_model(node_id=...)``): the aux net is built
+        as the original builds it (:func:`precise_bn.caffe2.original.build_original_aux_model`).
+        """
+        if model is None and self.backend != "torch":
+            from .caffe2.original import build_original_aux_model
+
+            model = build_original_aux_model(self.cfg, 0 if node_id is None else node_id)
+        elif node_id is not None:
+            raise ConfigError("create_bn_aux_model: node_id only tells the original's model builder which data shard "
+                              "to read; with a model given, drop it: bn_aux.create_bn_aux_model(model)")
+        backend = self.backend or ("torch" if isinstance(model, nn.Module) else "caffe2")
+        options = self.options.replace(**kwargs) if kwargs else self.options
+        if backend == "torch":
+            if not isinstance(model, nn.Module):
+                raise ConfigError("the torch backend needs an nn.Module, got {}".format(type(model).__name__))
+            if data is None:
+                raise ConfigError("the torch backend needs data: an iterable of batches")
+            self.aux = TorchJob(model, data, options)
+            self.aux.layer_names()
+        else:
+            from .caffe2.backend import Caffe2AuxModel
+
+            used = [name for name in TORCH_ONLY if name in self._given or name in kwargs]
+            if used:
+                raise ConfigError("option(s) {} apply to PyTorch models only, not to a Caffe2 net".format(
+                    ", ".join(used)))
+            self.aux = Caffe2AuxModel(model, data, settings=self.settings, opts=options)
+        self.cache = StepCache()
+        return self.aux
+
+    @all_or_nothing
+    def compute_and_update_bn_stats(self, curr_iter: Any = None) -> BNReport:
+        """Recompute and write the stats, or re-apply the cached ones if ``curr_iter`` is
+        unchanged; ``curr_iter=None`` always recomputes."""
+        if self.aux is None:
+            raise ConfigError("call create_bn_aux_model(...) before compute_and_update_bn_stats()")
+        return self.cache.recompute_or_write_back(curr_iter, self.aux.run, self.aux.apply)
