@@ -35,9 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases  # noqa: E402
 import common  # noqa: E402
 
-from precise_bn.data import smart_forward  # noqa: E402
+from precise_bn.options import Options  # noqa: E402
 from precise_bn.pytorch.bn_pass import BNPass  # noqa: E402
-from precise_bn.pytorch.layers import select_layers  # noqa: E402
 
 VARIANTS = ("identical", "empty hook", "capture")
 
@@ -45,7 +44,7 @@ VARIANTS = ("identical", "empty hook", "capture")
 def _prepare(variant: str, model: nn.Module) -> Callable[[], None]:
     """Set copy B up for ``variant``; returns how to undo it."""
     if variant == "capture":
-        bn_pass = BNPass(model, select_layers(model), smart_forward)
+        bn_pass = BNPass(model, Options())
         bn_pass.__enter__()
         return lambda: bn_pass.__exit__(None, None, None)
     if variant == "empty hook":

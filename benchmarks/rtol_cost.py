@@ -23,12 +23,12 @@ import torch.multiprocessing as mp
 from cases import Case
 from common import FLOOR, settle, time_ratios
 from precise_bn import recompute
-from precise_bn.data import count_samples, smart_forward
+from precise_bn.data import count_samples
 from precise_bn.distributed import Ranks
 from precise_bn.driver import CHECK_EVERY
+from precise_bn.options import Options
 from precise_bn.precision import worst_ratio
 from precise_bn.pytorch.bn_pass import BNPass
-from precise_bn.pytorch.layers import select_layers
 
 NEVER_MET = 1e-12
 
@@ -63,7 +63,7 @@ def check_ms(case: Case, rtol: float, ranks: Optional[Ranks] = None) -> float:
     batches, the first left out."""
     ranks = ranks or Ranks(False)
     model, batches = case.build()
-    bn_pass = BNPass(model, select_layers(model), smart_forward)
+    bn_pass = BNPass(model, Options())
     spent: List[float] = []
     samples = 0
     with bn_pass, torch.no_grad():

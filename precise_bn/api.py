@@ -1,25 +1,25 @@
-"""The entry points for PyTorch models: :func:`recompute`, the fvcore and swa_utils drop-ins, and
-:func:`check`.
+"""The entry points for PyTorch models: :func:`recompute`, the fvcore and swa_utils drop-ins,
+:func:`recalibrated` and :func:`check`.
 
-All run :func:`recalibrate_module`; they differ only in how a batch reaches the model and in
-the defaults their originals have (see the table of differences in docs/dropins.md); ``check``
-measures without writing and judges the stored statistics (:mod:`precise_bn.staleness`).
+Each builds a :class:`~precise_bn.pytorch.bn_pass.BNPass` and runs it through
+:func:`precise_bn.driver.recalibrate`; they differ only in how a batch reaches the model and in
+the defaults their originals have (docs/dropins.md); ``check`` measures without writing and
+judges the stored statistics (:mod:`precise_bn.staleness`, docs/check.md).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any, Callable, ContextManager, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, ContextManager, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from . import driver
-from .data import move_to_device, smart_forward, whole_batch_forward
+from .data import move_to_device, whole_batch_forward
 from .options import (DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec,
                       Options, as_device, check_names)
 from .pytorch.bn_pass import BNPass
-from .pytorch.layers import select_layers, unwrap_model
 from .report import BNReport
 from .signals import all_or_nothing
 from .staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, CheckReport, Rule, judge
@@ -90,7 +90,7 @@ def recompute(
     """
     given = locals()
     opts = Options(**{name: given[name] for name in OPTION_FIELDS})
-    return recalibrate_module(model, data, opts)
+    return driver.recalibrate(BNPass(model, opts), data, opts)
 
 
 @all_or_nothing
@@ -115,7 +115,7 @@ def update_bn_stats(
     opts = Options.build("update_bn_stats", num_batches=num_iters,
                          progress=progress is True or (isinstance(progress, str) and progress == "tqdm"),
                          **options)
-    return recalibrate_module(model, data_loader, opts, whole_batch_forward, budget_name="num_iters")
+    return driver.recalibrate(BNPass(model, opts, whole_batch_forward, budget_name="num_iters"), data_loader, opts)
 
 
 def _swa_forward(device: Optional[torch.device]) -> ForwardFn:
@@ -137,45 +137,11 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: Union[None, str, 
     dropout left as it was, ...) is listed in docs/dropins.md.
     """
     # The input alone goes to ``device``, as in swa_utils: the forward moves it, not the pass.
-    return recalibrate_module(model, loader, Options(layers="all", progress=False), _swa_forward(as_device(device)))
+    opts = Options(layers="all", progress=False)
+    return driver.recalibrate(BNPass(model, opts, _swa_forward(as_device(device))), loader, opts)
 
 
 @all_or_nothing
-def recalibrate_module(
-    model: nn.Module,
-    data: Iterable[Any],
-    opts: Options,
-    default_forward: ForwardFn = smart_forward,
-    *,
-    budget_name: str = "num_batches",
-    on_write: Optional[Callable[[BNReport], Any]] = None,
-    explain_batches: Optional[bool] = None,
-    write: bool = True,
-) -> BNReport:
-    """Recalibrate ``model`` on ``data`` with ``opts`` (see :func:`precise_bn.driver.recalibrate`);
-    ``default_forward`` hands a batch to the model when ``opts.forward_fn`` is None.
-    ``explain_batches``: turn a batch the model refuses into a BatchError (default: when the
-    batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the
-    default forward in its own says so). The report keeps the pass's snapshot, taken in the
-    all-or-nothing call that writes, for ``report.undo()``; ``write=False`` only measures."""
-    made: List[BNPass] = []
-
-    def make_backend() -> BNPass:
-        net = unwrap_model(model)
-        forward = opts.forward_fn or default_forward
-        explain = opts.forward_fn is None and forward is smart_forward if explain_batches is None else explain_batches
-        made.append(BNPass(net, select_layers(net, opts.layers), forward, device=opts.device,
-                           autocast=opts.autocast, explain_batches=explain))
-        return made[-1]
-
-    def written(report: BNReport) -> None:
-        report.snapshot = made[-1].snapshot(opts.sync, opts.group, opts.timeout)
-        if on_write is not None:
-            on_write(report)
-
-    return driver.recalibrate(make_backend, data, opts, budget_name=budget_name, on_write=written, write=write)
-
-
 def check(
     model: nn.Module,
     data: Iterable[Any],
@@ -199,7 +165,8 @@ def check(
         raise TypeError("check() takes no prior: it compares the stored statistics with the data's own "
                         "(prior pools them in what recompute writes)")
     check_names("check", options, list(OPTION_FIELDS), ("tolerance", "alpha"))
-    return judge(recalibrate_module(model, data, Options(**options), write=False), rule)
+    opts = Options(**options)
+    return judge(driver.recalibrate(BNPass(model, opts), data, opts, write=False), rule)
 
 
 def recalibrated(model: nn.Module, data: Iterable[Any], **options: Any) -> ContextManager[BNReport]:
@@ -219,20 +186,17 @@ def recalibrated(model: nn.Module, data: Iterable[Any], **options: Any) -> Conte
 def _recalibrated(model: nn.Module, data: Iterable[Any], opts: Options) -> Iterator[BNReport]:
     # A generator, not a class: a signal handled on entering a class's ``__exit__`` would skip
     # it, while a generator left suspended is closed (running its ``finally``) when its context
-    # manager is dropped. The report is taken in the writing call itself (``on_write``), so no
-    # instant after the write escapes the ``except``, which puts the statistics back whatever
-    # the block raised, and again if an interrupt cut the first put-back short (``release`` is
-    # idempotent).
-    written: List[BNReport] = []
+    # manager is dropped. The pass keeps what it wrote (``BNPass.written``) in the writing call
+    # itself, so no instant after the write escapes the ``except``, which puts the statistics
+    # back whatever the block raised, and again if an interrupt cut the first put-back short.
+    backend = BNPass(model, opts)
     try:
-        report = recalibrate_module(model, data, opts, on_write=written.append)
-        yield written[0] if written else report  # nothing written: no BN layer to recompute
-        _release(written)
+        yield _recompute_with(backend, data, opts)
+        backend.put_back()
     except BaseException:
-        _release(written)
+        backend.put_back()
         raise
 
 
-def _release(written: List[BNReport]) -> None:
-    if written and written[0].snapshot is not None:
-        written[0].snapshot.release()
+#: The entry of a ``recalibrated`` block: a generator cannot be an all-or-nothing call itself.
+_recompute_with = all_or_nothing(driver.recalibrate)

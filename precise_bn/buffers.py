@@ -39,12 +39,15 @@ def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes:
         if result is None:
             continue
         info = torch.finfo(dtype)
-        largest = max(float(result[0].abs().max()), float(result[1].max()))
+        magnitudes = torch.cat([result[0].abs(), result[1]])
+        largest = float(magnitudes.max())
         if largest > info.max:
             raise NonFiniteStatsError(
                 "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
                 "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
                     name, largest, _short(dtype), info.max))
+        if not bool(((magnitudes != 0) & (magnitudes < info.tiny)).any()):
+            continue
         for what, values in zip(("mean", "variance"), result):
             tiny = (values != 0) & (values.abs() < info.tiny)
             if bool(tiny.any()):

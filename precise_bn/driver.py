@@ -1,19 +1,11 @@
-"""The pass driver both backends share: budget, progress, rank rounds, the precision stop, the report.
+"""The pass both backends share, and :func:`recalibrate`, the whole call: budget, progress,
+rounds with the other ranks, the ``rtol`` stop, the report, then the backend's write.
 
-A backend knows how to run one batch and read its layers' statistics (:class:`Backend`); the
-driver decides how many batches to run and when to talk to the other ranks:
-
-* the budget: at most ``num_batches`` batches and ``num_samples`` samples (a batch is never
-  cut), or until the data ends; ``stop`` names what ended the pass: ``"num_batches"``,
-  ``"num_samples"``, ``"data"`` or ``"rtol"``;
-* rounds: with several ranks, every :data:`CHECK_EVERY` batches every rank reports its status
-  (:class:`~precise_bn.distributed.Ranks`), so a rank that failed is known within a few
-  batches; a rank whose data ended keeps answering rounds until every rank is done;
-* the precision stop (``rtol``): at those rounds (every :data:`CHECK_EVERY` batches on one
-  process), once ``min_batches`` batches were read in all, the statistics merged so far decide
-  whether every channel is precise enough (:func:`~precise_bn.precision.worst_ratio`: what
-  ``rtol`` promises, and how it is kept); every rank decides on the
-  same bits, so all stop after the same batch.
+A backend (:class:`Backend`) runs a batch, reads its layers' statistics and writes results; the
+driver decides how many batches to run, when to talk to the other ranks (every
+:data:`CHECK_EVERY` batches, so that a failed rank is known within a few batches), and when the
+statistics are precise enough (:func:`~precise_bn.precision.worst_ratio`, decided on the same
+bits on every rank). The path of one call and its guarantees: docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -22,33 +14,34 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .data import batches_for_samples, planned_batches
 from .distributed import ACTIVE, DONE, Ranks, fingerprint, resolve_sync
-from .buffers import check_fits
+from .buffers import Stats, check_fits
 from .errors import EmptyDataError, warn
 from .estimator import PopulationStats, pool_with_prior
 from .options import Options
 from .precision import flags, warn_if_imprecise, warn_if_rtol_unreachable, worst_ratio
 from .report import BNReport, LayerReport, counted
-from .signals import all_or_nothing
 
 logger = logging.getLogger("precise_bn")
 
 #: Batches between two rounds with the other ranks, and between two precision checks.
 CHECK_EVERY = 8
 
-Stats = Tuple[torch.Tensor, torch.Tensor]
-
 
 class Backend(Protocol):
     """What the driver needs from a backend: the layers, running batches, reading statistics,
-    and writing results (a write that the call undoes if it raises afterwards)."""
+    and writing results (a write that the call undoes if it raises afterwards). The backend
+    carries what the call is named in logs (``label``), what the report calls its estimator
+    (``kind``), and what the caller calls the batch budget (``budget_name``)."""
 
-    estimator: str
+    label: str
+    kind: str
+    budget_name: str
     names: List[str]
     eps: List[float]
     #: The dtype of each layer's running buffers: what the results must fit in.
@@ -58,14 +51,18 @@ class Backend(Protocol):
     #: measured layers (a functional ``batch_norm``), put back and not recomputed.
     not_recomputed: Sequence[str]
 
+    def choose(self) -> None:
+        """Choose the layers (``names``, ``eps``, ``dtypes`` are known afterwards)."""
+
     def old_stats(self) -> List[Stats]:
-        """Each layer's running mean and variance before the pass, float64 on the CPU."""
+        """Each layer's running mean and variance before the pass, float64 on the CPU, in
+        tensors of their own (after :meth:`attach`)."""
 
     def plan(self, batches: Optional[int]) -> None:
         """The number of batches the pass expects to read (None: unknown), before the first."""
 
-    def attached(self) -> ContextManager[Any]:
-        """The model prepared for measuring; leaving the block restores it, however it is left."""
+    def attach(self) -> None:
+        """Prepare the model for measuring (undone by :meth:`restore`)."""
 
     def restore(self) -> None:
         """Put the model back exactly as before the call (idempotent; rewinds a write too)."""
@@ -79,9 +76,10 @@ class Backend(Protocol):
     def collect(self) -> List[PopulationStats]:
         """This process's statistics so far, one per layer, pending calls merged."""
 
-    def finish(self, results: Sequence[Optional[Stats]]) -> None:
-        """Write ``results`` (None: keep that layer's statistics) with
-        :func:`~precise_bn.signals.write`, so that a call that raises afterwards undoes it."""
+    def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
+        """Put the model back and write ``results`` (None: keep that layer's statistics) with
+        :func:`~precise_bn.signals.write`, so that a call that raises afterwards undoes it;
+        keep in ``report`` what ``report.undo()`` needs."""
 
 
 @dataclass
@@ -167,11 +165,10 @@ class _Rounds:
         return all_done, precise
 
 
-def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks,
-             planned: Optional[int], label: str = "precise-bn") -> Outcome:
+def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks, planned: Optional[int]) -> Outcome:
     """Run ``backend`` over ``batches`` within the budget of ``opts``; merge over ``ranks``."""
     rounds = _Rounds(backend, ranks, opts)
-    progress = _Progress(opts, planned, label)
+    progress = _Progress(opts, planned, backend.label)
     done = samples = 0
     stop = "num_batches"
     try:
@@ -270,90 +267,78 @@ def build_report(
     return report
 
 
-@all_or_nothing
-def recalibrate(
-    make_backend: Callable[[], Backend],
-    data: Iterable[Any],
-    opts: Options,
-    *,
-    budget_name: str = "num_batches",
-    on_write: Optional[Callable[[BNReport], Any]] = None,
-    label: str = "precise-bn",
-    write: bool = True,
-) -> BNReport:
-    """One recalibration, on any backend: build it, measure, report, write.
+def recalibrate(backend: Backend, data: Iterable[Any], opts: Options, *, write: bool = True) -> BNReport:
+    """One recalibration, on any backend: choose the layers, measure, report, write.
 
-    ``on_write(report)`` runs right after the new statistics are written (the step cache
-    stores them there); if it raises, the write is undone. ``write=False`` measures and
-    reports only: the model is left as it was (``precise_bn.check``). With several ranks, any exception
-    on one rank, from building the backend (layer selection) to the report, makes every other
-    rank raise :class:`~precise_bn.DistributedError`; no rank writes unless all can.
+    Called inside an all-or-nothing call (:func:`~precise_bn.signals.all_or_nothing`), which
+    undoes the write if anything raises before it returns. ``write=False`` measures and reports
+    only: the model is left as it was (``precise_bn.check``). With several ranks, any exception
+    on one rank, from choosing the layers to the report, makes every other rank raise
+    :class:`~precise_bn.DistributedError`; no rank writes unless all can.
     """
     started = time.perf_counter()
     ranks: Optional[Ranks] = None
-    backend: Optional[Backend] = None
     grad_enabled = torch.is_grad_enabled()
-    # An exception between two statements (a signal's handler) must still tell the other ranks
-    # and put the model back. Leaving ``backend.attached()`` puts it back too, but a ``with``
-    # block's ``__exit__`` is not guaranteed to run: a signal handled just before it (on
-    # entering it, on CPython 3.11) raises with the captures still on, or autograd still off.
-    # ``backend.restore()`` is idempotent.
+    # Not a ``with`` block: an exception between two statements (a signal's handler) must still
+    # tell the other ranks and put the model back, and a ``__exit__`` is not guaranteed to run
+    # (a signal handled on entering it raises with the captures still on).
     try:
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
-        backend = make_backend()
-        ranks.start(fingerprint(opts, backend.collect()))
+        backend.choose()
+        if ranks.world > 1:
+            ranks.start(fingerprint(opts, backend.collect()))
         if not backend.names:  # on every rank: the first round compared the layers
-            logger.warning("%s: nothing to recompute: %s", label, backend.empty_reason)
+            logger.warning("%s: nothing to recompute: %s", backend.label, backend.empty_reason)
             ranks.finish()
-            return BNReport(world_size=ranks.world, estimator=backend.estimator)
-        results, report = _measure(backend, data, opts, ranks, budget_name, label, started)
-        if not write:
-            return report
-        backend.finish(results)
-        if on_write is not None:
-            on_write(report)
+            return BNReport(world_size=ranks.world, estimator=backend.kind)
+        results, report = _measure(backend, data, opts, ranks, started)
+        if write:
+            backend.write(results, report)
+        else:
+            backend.restore()
         return report
     except BaseException:
         try:
             if ranks is not None:
                 ranks.abort()
-            if backend is not None:
-                backend.restore()
+            backend.restore()
         finally:
             torch.set_grad_enabled(grad_enabled)
         raise
 
 
-def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks, budget_name: str, label: str,
+def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
              started: float) -> Tuple[List[Optional[Stats]], BNReport]:
     """The pass, the merge, the report and every warning; a last round says every rank got here."""
+    label = backend.label
     logger.info("%s: measuring %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
-                "" if len(backend.names) == 1 else "s", backend.estimator)
-    old = backend.old_stats()
+                "" if len(backend.names) == 1 else "s", backend.kind)
     planned = planned_batches(data, opts.num_batches)
     backend.plan(planned)
     warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
-    with backend.attached():
-        outcome = run_pass(backend, iter(data), opts, ranks, planned, label)
-        if outcome.batches == 0:
-            raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
-                " on any rank" if ranks.world > 1 else ""))
-        warn_if_short(opts, outcome, budget_name)
-        reasons = [flags(s) for s in outcome.stats]
-        warn_if_imprecise(opts, outcome.stats, backend.names, reasons, outcome.batches, outcome.samples, outcome.stop)
-        targets = finalize(outcome.stats, opts.unbiased)
-        results = [t if t is None or not opts.prior else pool_with_prior(o, t, opts.prior, outcome.samples)
-                   for o, t in zip(old, targets)]
-        check_fits(backend.names, results, backend.dtypes)
-        report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.estimator,
-                              world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started,
-                              reasons=reasons)
-        if opts.prior:
-            for layer, target in zip(report.layers, targets):
-                layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
-        name_not_recomputed(backend, report)
+    backend.attach()
+    old = backend.old_stats()
+    outcome = run_pass(backend, iter(data), opts, ranks, planned)
+    if outcome.batches == 0:
+        raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(
+            " on any rank" if ranks.world > 1 else ""))
+    warn_if_short(opts, outcome, backend.budget_name)
+    reasons = [flags(s) for s in outcome.stats]
+    warn_if_imprecise(opts, outcome.stats, backend.names, reasons, outcome.batches, outcome.samples, outcome.stop)
+    targets = finalize(outcome.stats, opts.unbiased)
+    results = [t if t is None or not opts.prior else pool_with_prior(o, t, opts.prior, outcome.samples)
+               for o, t in zip(old, targets)]
+    check_fits(backend.names, results, backend.dtypes)
+    report = build_report(backend.names, old, backend.eps, outcome, results, estimator=backend.kind,
+                          world_size=ranks.world, opts=opts, seconds=time.perf_counter() - started,
+                          reasons=reasons)
+    if opts.prior:
+        for layer, target in zip(report.layers, targets):
+            layer.target_mean, layer.target_var = (None, None) if target is None else (t.cpu() for t in target)
+    name_not_recomputed(backend, report)
+    if logger.isEnabledFor(logging.INFO):
         logger.info("%s: %s (%s) read in %.2f s; stopped: %s", label, counted(report.batches, "batch", "batches"),
                     counted(report.samples, "sample"), report.seconds, report.stop)
-        ranks.exchange(ACTIVE, round_="end")
-        ranks.finish()
+    ranks.exchange(ACTIVE, round_="end")
+    ranks.finish()
     return results, report

@@ -90,9 +90,9 @@ def combine_calls(
     deviation = u1 - shift
     m2 = torch.matmul(n, variances).add_(torch.matmul(n, deviation.square_()))
     rows = (u1, variances, u1.square())
-    u = torch.stack([torch.matmul(w, row) for row in rows]).div_(weight)
+    u = torch.matmul(w, torch.stack(rows)).div_(weight)
     centred = [row - u[j] for j, row in enumerate(rows)]
-    cov = torch.stack([torch.matmul(w, centred[a] * centred[b]) for a, b in _PAIRS])
+    cov = torch.matmul(w, torch.stack([centred[a] * centred[b] for a, b in _PAIRS]))
     second = variances + rows[2]
     sums = power_sums(w * w, second, u1)
     order = order_sums.block(n, u1, second)

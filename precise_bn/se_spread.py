@@ -60,13 +60,13 @@ def affine(sums: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, delta: 
 
 def power_sums(weights: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``sum_i weights_i p_i^a q_i^b`` for every ``(a, b)`` of :data:`POWERS`, over the k rows
-    of ``p`` and ``q`` (k, C): one vector-matrix product per power sum."""
+    of ``p`` and ``q`` (k, C): one batched vector-matrix product."""
     p_powers = [torch.ones_like(p), p, p * p]
     p_powers += [p_powers[2] * p, p_powers[2].square()]
     q_powers = [None, q, q * q]
     q_powers += [q_powers[2] * q, q_powers[2].square()]
     rows = [p_powers[a] if b == 0 else q_powers[b] if a == 0 else p_powers[a] * q_powers[b] for a, b in POWERS]
-    return torch.stack([torch.matmul(weights, row) for row in rows])
+    return torch.matmul(weights, torch.stack(rows))
 
 
 def spread_of_squares(sums: torch.Tensor, shift: torch.Tensor, var: torch.Tensor,

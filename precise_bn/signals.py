@@ -1,59 +1,14 @@
 """Changes no signal can split or leave half-made: an interrupt never leaves a model half-changed.
 
-Why this is needed: a signal with a Python handler (Ctrl-C's ``KeyboardInterrupt``, or any
-handler that raises) runs in the main thread at whatever bytecode is executing when it arrives.
-While precise-bn changes a model (swapping layer classes in, restoring buffers, writing the new
-statistics) an exception at the wrong bytecode would leave some layers changed and others not.
-
-How, in three parts:
-
-* **Relays.** For the length of a call, a :class:`Relays` object replaces every Python signal
-  handler by a relay (and, where the caller asks, SIGTERM and SIGHUP left at their default
-  action, which would end the process on the spot, by one that raises :class:`Terminated`, so
-  that cleanup runs: one mechanism for every signal). Outside critical sections the relay hands
-  the signal straight to its handler. Inside one it only records the signal; when the outermost
-  section ends the recorded signals go to their handlers in order, so whatever they raise is
-  raised at a point where the model is whole. Entering and leaving a section is one integer
-  store, which a signal cannot split. Blocking signals at the OS level (``pthread_sigmask``)
-  would not do: the kernel then hands a process signal to another thread, and CPython still
-  runs the handler in the main thread at once.
-* **Critical sections** (:class:`critical`): a change made whole or not at all, such as
-  attaching the captures or putting the model back.
-* **All-or-nothing calls** (:func:`all_or_nothing`, a decorator on every function that changes
-  a model for its caller). Inside one, :func:`write` makes a change that must not outlive a call
-  that raises: it registers the change's undo, and signals stay deferred from the write until
-  the *outermost* all-or-nothing call returns. Whatever that call raises meanwhile (the code
-  after the write, a caller's, a deferred signal's handler, a signal handled once the original
-  handlers are back) undoes every write before the exception leaves. So code placed after a
-  write, at any depth, cannot reopen a window: nothing has to be a call's last statement. A
-  nested all-or-nothing call that returns hands its writes to the outermost; one that raises
-  undoes its own. The deferral ends where the outermost call returns, so a write is followed
-  only by the few statements that finish the call, never by a long operation.
-
-What is left, and why: the last bytecodes of the outermost call. CPython 3.11 and later handle a
-signal only on entering a function, on a loop's back-edge and after a call to C, and none of
-those come after the decorator's final bookkeeping returns. Python 3.9 checks at nearly every
-bytecode, also at the decorator's ``return`` and while its frame's objects are freed: a signal
-handled there raises with the new statistics in place. Python code cannot close that window;
-``benchmarks/INTERRUPTS.md`` measures how rarely it is hit (none of 3,500 random-timed trials).
-
-The decorator is a ``try``/``except`` around the call, not a ``with`` block, on purpose: a
-signal handled on entering a context manager's ``__exit__`` skips it, while an ``except``
-clause is entered without a check. For the same reason the relays are installed inside that
-``try``, and installing undoes itself if a handler raises half-way; a release that a handler cut
-short is finished by the next call to it, which the ``except`` makes. A critical section is
-entered only while the relays are installed (or on the way out of a call that is already
-raising, where it would take a second signal): a handler that is not relayed could raise between
-``critical.__enter__`` counting the section and returning, and the count would never come down.
-
-A handler can also run while a finaliser does (``__del__``, a weakref callback such as a
-``WeakKeyDictionary``'s), where Python prints what it raises ("Exception ignored") and goes on:
-the interrupt would be lost. While the relays are installed, what a handler called by them
-raises and a finaliser swallows is kept instead, and raised at the call's next checkpoint
-(:func:`checkpoint`: every batch of a PyTorch pass, and the end of every critical section).
-
-Signal handlers only ever run in the main thread; called from another thread, nothing here
-changes any handler or defers anything, and a raising call still undoes its writes.
+A signal's Python handler (Ctrl-C's ``KeyboardInterrupt``) runs at whatever bytecode the main
+thread is at. For the length of a call, :class:`Relays` replace every handler by a relay that
+only records a signal inside a :class:`critical` section and hands it over when the section
+ends. :func:`all_or_nothing` decorates each entry point that changes a model for its caller;
+inside it, :func:`write` makes a change whose undo runs if the outermost such call raises,
+whatever and wherever (signals stay deferred from the write until that call returns), so no
+statement has to be a call's last. :func:`checkpoint` raises what a handler raised inside a
+finaliser, which Python would have swallowed. Why each piece is built as it is, and the window
+left on Python 3.9: docs/interrupts.md ("How it works").
 """
 from __future__ import annotations
 
@@ -200,7 +155,7 @@ class Relays:
     def install(self) -> "Relays":
         """Relay every Python signal handler. If a handler raises meanwhile (an original not
         relayed yet, or a relay passing a signal on), what was done is undone before the
-        exception leaves. Not a critical section (see the module docstring)."""
+        exception leaves. Not a critical section (docs/interrupts.md)."""
         if threading.current_thread() is not threading.main_thread() or self in _holders:
             return self
         try:
@@ -232,7 +187,7 @@ class Relays:
     def release(self) -> None:
         """Give the original handlers back once no call holds the relays.
 
-        Not a critical section (see the module docstring): a handler that raises half-way
+        Not a critical section (docs/interrupts.md): a handler that raises half-way
         leaves some relays in place, and the caller's ``except``, calling this again,
         finishes the job.
         """
@@ -259,7 +214,7 @@ def relayed(terminate: bool = False) -> Iterator[None]:
 class critical:
     """``with critical():`` defers signals for the block and hands them to their handlers when
     the outermost block ends; a handler that raises then raises there. Entered only while the
-    call's relays are installed (see the module docstring)."""
+    call's relays are installed (docs/interrupts.md)."""
 
     def __enter__(self) -> "critical":
         _enter()
@@ -339,7 +294,7 @@ def _leave_stack(call: _Call) -> None:
 
 def all_or_nothing(fn: F) -> F:
     """Decorate a function that changes a model for its caller: if it raises, whatever and
-    wherever (a signal's handler included, up to its last bytecodes: see the module docstring),
+    wherever (a signal's handler included, up to its last bytecodes: docs/interrupts.md),
     every :func:`write` made inside it is undone before the exception leaves."""
 
     @functools.wraps(fn)

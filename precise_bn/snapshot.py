@@ -1,23 +1,8 @@
-"""What a call wrote, kept after it returns, so that it can be undone (``report.undo()``) or
-undone whatever happened since (the end of a ``with recalibrated(...)`` block).
-
-The snapshot is the one every failure path of a pass already restores: each buffer of the
-recomputed layers (``running_mean``, ``running_var``, ``num_batches_tracked``, ...), the tensor
-object itself and a copy of its value before the call. Next to it, how the call left each
-buffer: the tensor's ``_version`` counter (every in-place write bumps it, views and
-``load_state_dict`` included) and a copy of its bits (a write through ``.data`` bypasses the
-counter). :meth:`Snapshot.undo` puts the old values back only if every buffer is still the same
-object with the same counter and the same bits; otherwise it would silently overwrite a change
-made since (a training step, another recalibration, a loaded checkpoint), so it raises
-:class:`~precise_bn.UndoError` and changes nothing.
-
-A put-back never writes through sizes a tensor's storage may no longer hold: a tensor whose data
-moved is pointed back at its own storage first (:class:`Place`).
-
-The put-back itself is a :func:`~precise_bn.signals.write` (an undo that raises puts the
-call's statistics back) or, leaving a block, a critical section: an interrupt never leaves
-some layers undone and others not. With several ranks, every rank checks its own model,
-then one round tells all of them whether any rank refused, so either all undo or none does.
+"""What a call wrote, kept after it returns, so that it can be undone: ``report.undo()`` (only
+if nothing changed the statistics since: same tensor objects, ``_version`` counters and bits,
+else :class:`~precise_bn.UndoError`, on every rank if any refuses) and the end of a
+``with recalibrated(...)`` block (whatever happened since). :class:`Place` puts a value back
+into a tensor only where its data lived. Why and how: docs/recalibration.md and docs/interrupts.md.
 """
 from __future__ import annotations
 
@@ -37,10 +22,8 @@ _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers, so that NaN equals NaN and -0.0 differs from 0.0."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view(_SAME_WIDTH_INTS[flat.element_size()])
-    return flat
+    tensor = tensor.detach()
+    return tensor.view(_SAME_WIDTH_INTS[tensor.element_size()]) if tensor.is_floating_point() else tensor
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,7 +118,7 @@ class BufferRecord:
 
 
 class Snapshot:
-    """The recomputed layers' buffers before a call and as it left them (see the module docstring).
+    """The recomputed layers' buffers before a call and as it left them (see :meth:`undo`).
 
     Build it right after the write, in the same all-or-nothing call: ``saved`` lists
     ``(layer name, module, key, tensor, value before)`` for every buffer of every recomputed
@@ -156,11 +139,11 @@ class Snapshot:
         """One line per buffer changed since the call wrote ("layer: what")."""
         return ["layer {!r}: {}".format(r.layer, c) for r in self.records for c in [r.change()] if c]
 
-    @all_or_nothing
     def undo(self) -> None:
         """Put back the statistics from before the call, if nothing changed them since; else
         raise :class:`~precise_bn.UndoError` (on every rank, if any rank refuses) and change
-        nothing. An interrupt leaves either the call's statistics or the old ones, never a mix."""
+        nothing. A :func:`~precise_bn.signals.write`, so called inside an all-or-nothing call
+        (``report.undo()``): an interrupt leaves either the call's statistics or the old ones."""
         ranks = Ranks(resolve_sync(self.sync, self.group), self.group, self.timeout)
         try:
             if self.undone:
@@ -179,7 +162,7 @@ class Snapshot:
         write(self._put_back, self._write_again)
 
     @all_or_nothing
-    def release(self) -> None:
+    def restore(self) -> None:
         """Put back the statistics from before the call whatever happened since (unless already
         undone): what leaving a ``with recalibrated(...)`` block does. Idempotent: a caller cut
         short by an interrupt calls it again on the way out."""

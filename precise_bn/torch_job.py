@@ -16,36 +16,30 @@ import torch
 from torch import nn
 
 from . import rng
-from .api import recalibrate_module
 from .data import CyclingBatches, smart_forward
+from .driver import recalibrate
 from .options import Options
+from .pytorch.bn_pass import BNPass
 from .pytorch.layers import by_spec, select_layers, unwrap_model
 from .report import BNReport
 from .signals import all_or_nothing, write
+from .step_cache import Store
 
 TorchCache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
-Store = Callable[[TorchCache, BNReport], None]
 
 
 def recalibrate_untouched(model: nn.Module, data: Iterable[Any], opts: Options,
-                          on_write: Optional[Callable[[BNReport], Any]] = None,
                           explain_batches: Optional[bool] = None,
                           generators: Sequence[torch.Generator] = ()) -> BNReport:
-    """:func:`~precise_bn.api.recalibrate_module`, with the global random generators and
-    ``generators`` put back right after the write (and if it raises), so that training goes on
-    drawing what it would have drawn without it; then ``on_write(report)``."""
+    """A recalibration with the global random generators and ``generators`` put back as soon
+    as it returns or raises, so that training goes on drawing what it would have drawn without
+    it. Called inside an all-or-nothing call (a hook's), whose signals stay deferred from the
+    write until it returns."""
     kept = rng.SavedRNG(generators)
-
-    def written(report: BNReport) -> None:
-        kept.restore()
-        if on_write is not None:
-            on_write(report)
-
     try:
-        return recalibrate_module(model, data, opts, on_write=written, explain_batches=explain_batches)
-    except BaseException:
+        return recalibrate(BNPass(model, opts, explain_batches=explain_batches), data, opts)
+    finally:
         kept.restore()
-        raise
 
 
 class TorchJob:
@@ -114,22 +108,21 @@ class TorchJob:
             return one
         return lambda _net, batch: [one(m, batch) for m in members]
 
-    def run(self, store: Store, opts: Optional[Options] = None) -> BNReport:
-        """Recompute (with ``opts``, by default those given); right after the write, every random
-        generator is put back and the written stats are stored (cloned)."""
+    def run(self, store: Store[TorchCache], opts: Optional[Options] = None) -> BNReport:
+        """Recompute (with ``opts``, by default those given); then every random generator is
+        put back and the written stats are stored (cloned). Called inside an all-or-nothing
+        call (``StepCache.recompute_or_write_back``), which undoes both if it raises."""
         opts = opts or self.opts
-
-        def on_write(report: BNReport) -> None:
-            modules = dict(self.net.named_modules())
-            store({layer.name: (modules[layer.name].running_mean.detach().clone(),
-                                modules[layer.name].running_var.detach().clone())
-                   for layer in report.layers if layer.ran}, report)
-
         if not self._prepared:
             self._prepare()
-        return recalibrate_untouched(self.net, self.batches,
-                                     opts.replace(forward_fn=self._forward(), layers=self.opts.layers),
-                                     on_write, opts.forward_fn is None, rng.loader_generators(self.batches.data))
+        report = recalibrate_untouched(self.net, self.batches,
+                                       opts.replace(forward_fn=self._forward(), layers=self.opts.layers),
+                                       opts.forward_fn is None, rng.loader_generators(self.batches.data))
+        modules = dict(self.net.named_modules())
+        store({layer.name: (modules[layer.name].running_mean.detach().clone(),
+                            modules[layer.name].running_var.detach().clone())
+               for layer in report.layers if layer.ran}, report)
+        return report
 
     @all_or_nothing
     def apply(self, cache: TorchCache) -> None:

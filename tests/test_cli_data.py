@@ -221,9 +221,9 @@ def test_unrecognised_batches_are_one_line_and_input_key_or_forward_fn_fix_them(
 def test_budget_precision_and_timeout_options_reach_the_pass(ckpt, tmp_path, capsys, monkeypatch):
     path, _ = ckpt
     seen = []
-    real = job.recalibrate_module
-    monkeypatch.setattr(job, "recalibrate_module",
-                        lambda net, data, opts, **kw: seen.append(opts) or real(net, data, opts, **kw))
+    real = job.recalibrate
+    monkeypatch.setattr(job, "recalibrate",
+                        lambda backend, data, opts, **kw: seen.append(opts) or real(backend, data, opts, **kw))
     result = run_cli(capsys, "recompute", path, "--model", "factories:small_net", "--data",
                      "factories:batches", "--rtol", "0.5", "--min-batches", "2", "--timeout", "42",
                      "--report", tmp_path / "r.json", "-q", *TRUST)

@@ -195,6 +195,17 @@ def test_state_is_restored_and_references_see_new_stats():
         assert torch.equal(p, q)
 
 
+def test_report_of_a_float64_layer_keeps_its_old_stats_apart_from_the_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double()
+    batches = [torch.randn(4, 3, 6, 6, dtype=torch.float64) * 3 + 2 for _ in range(3)]
+    old_mean, old_var = model[1].running_mean.clone(), model[1].running_var.clone()
+    layer = recompute(model, batches, progress=False).layers[0]
+    assert torch.equal(layer.old_mean, old_mean) and torch.equal(layer.old_var, old_var)
+    assert layer.old_mean.data_ptr() != model[1].running_mean.data_ptr()
+    assert torch.equal(layer.new_mean, model[1].running_mean) and layer.mean_drift > 0.1
+
+
 def test_eval_mode_model_recomputes_all_layers_and_stays_in_eval():
     model, batches = _network_and_batches()
     model.eval()

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import numpy as np
 import torch
 
+from ..buffers import Stats
 from ..data import CyclingBatches
 from ..driver import recalibrate
 from ..errors import ConfigError, LayerError, NonFiniteStatsError
@@ -33,7 +34,6 @@ logger = logging.getLogger("precise_bn")
 
 Feeds = Dict[str, np.ndarray]
 Caffe2Cache = Dict[str, Tuple[np.ndarray, np.ndarray]]
-Stats = Tuple[torch.Tensor, torch.Tensor]
 
 class Caffe2AuxModel:
     """The Caffe2 aux net and the recalibration of its BN layers.
@@ -126,14 +126,12 @@ class Caffe2AuxModel:
             self.workspace.FeedBlob(b.riv, riv, device_option=b.option)
 
     def run(self, store: Callable[[Caffe2Cache, BNReport], None]) -> BNReport:
-        """Recompute and feed the stats; ``store(cache, report)`` keeps what was fed."""
-
-        def on_write(report: BNReport) -> None:
-            store({layer.name: (layer.new_mean.numpy().astype(np.float32), layer.new_var.numpy().astype(np.float32))
-                   for layer in report.layers if layer.ran}, report)
-
-        return recalibrate(lambda: _Caffe2Pass(self), self.batches, self.opts, budget_name="iters",
-                           on_write=on_write, label="precise-bn (caffe2)")
+        """Recompute and feed the stats; ``store(cache, report)`` keeps what was fed. Called
+        inside an all-or-nothing call (``StepCache.recompute_or_write_back``), which undoes both if it raises."""
+        report = recalibrate(_Caffe2Pass(self), self.batches, self.opts)
+        store({layer.name: (layer.new_mean.numpy().astype(np.float32), layer.new_var.numpy().astype(np.float32))
+               for layer in report.layers if layer.ran}, report)
+        return report
 
     @all_or_nothing
     def apply(self, cache: Caffe2Cache) -> None:
@@ -148,7 +146,9 @@ class _Caffe2Pass:
     """One pass of the driver over a :class:`Caffe2AuxModel` (see :class:`precise_bn.driver.Backend`)."""
 
     empty_reason = "the net has no SpatialBN layer"
-    estimator = "caffe2"
+    label = "precise-bn (caffe2)"
+    kind = "caffe2"
+    budget_name = "iters"
     not_recomputed: Sequence[str] = ()
 
     def __init__(self, aux: Caffe2AuxModel):
@@ -162,23 +162,25 @@ class _Caffe2Pass:
         self._calls = [_Calls(stats, self._rows) for stats in self.stats]
         self._buffer = np.empty(CHUNK)
         self.iteration = 0
-        self._snapshot = aux.snapshot()
+        self._snapshot: Optional[List[Tuple[BNBlobs, np.ndarray, np.ndarray]]] = None
+
+    def choose(self) -> None:
+        """Every SpatialBN layer of the net: keep their running stats as they are now."""
+        self._snapshot = self.aux.snapshot()
 
     def old_stats(self) -> List[Stats]:
+        assert self._snapshot is not None
         first = {b.layer: (rm, riv) for b, rm, riv in self._snapshot if b.device == self.aux.devices[0]}
         return [(torch.from_numpy(first[name][0].astype(np.float64)).reshape(-1),
                  torch.from_numpy(first[name][1].astype(np.float64)).reshape(-1)) for name in self.names]
 
-    @contextlib.contextmanager
-    def attached(self) -> Iterator[None]:
-        try:
-            yield
-        finally:
-            self.restore()
+    def attach(self) -> None:
+        """Nothing to attach: the aux net's inputs are read after each run."""
 
     def restore(self) -> None:
         """Every device's running stats as before the pass (train-mode SpatialBN updates them)."""
-        self.aux.restore(self._snapshot)
+        if self._snapshot is not None:
+            self.aux.restore(self._snapshot)
 
     def running(self) -> Any:
         return contextlib.nullcontext()
@@ -238,11 +240,17 @@ class _Caffe2Pass:
                 calls.counts = []
         return self.stats
 
-    def finish(self, results: Sequence[Optional[Stats]]) -> None:
-        """Feed every device the results rounded to nearest float32 (numpy's ``astype``)."""
+    def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
+        """Feed every device the results rounded to nearest float32 (numpy's ``astype``), and
+        the stats from before the pass to a layer without results; nothing for ``report.undo()``."""
         fed = [(b, result[0].numpy().astype(np.float32), result[1].numpy().astype(np.float32))
                for blobs, result in zip(self.aux.layers.values(), results) if result is not None for b in blobs]
-        write(lambda: self.aux.restore(fed), lambda: self.aux.restore(self._snapshot))
+
+        def change() -> None:
+            self.restore()
+            self.aux.restore(fed)
+
+        write(change, self.restore)
 
 
 def _kernel_finite(siv: np.ndarray) -> bool:

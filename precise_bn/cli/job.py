@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..api import recalibrate_module
+from ..driver import recalibrate
 from ..checkpoint.formats import load_checkpoint, save_checkpoint
 from ..checkpoint.paths import check_paths
 from ..checkpoint.provenance import provenance, set_provenance
@@ -29,8 +29,10 @@ from ..checkpoint.state import Checkpoint, apply_bn_stats, bn_stats_of, load_int
 from ..distributed import ACTIVE, Ranks
 from ..errors import CheckpointError, ConfigError, Fix, LayerError, PreciseBNError
 from ..options import Options
+from ..pytorch.bn_pass import BNPass
 from ..pytorch.layers import no_layer_message, select_layers
 from ..report import BNReport
+from ..signals import all_or_nothing
 from .data_specs import data_files, resolve_data
 from .failures import BlamedBatches, blame, blamed_on, raised_in_package
 from .specs import build_on_meta, resolve_model, same_family
@@ -169,11 +171,12 @@ def open_job(
     return Job(ckpt, net, prefix, batches, opts, targets, _label(model, "--model") + calls)
 
 
+@all_or_nothing
 def measure(job: Job, write: bool = True) -> BNReport:
-    """The pass (``write=False``: measure only); an exception from the user's model becomes one
-    line naming it and the batch."""
+    """The pass (``write=False``: measure only), all or nothing; an exception from the user's
+    model becomes one line naming it and the batch."""
     try:
-        return recalibrate_module(job.net, job.batches, job.opts, write=write)
+        return recalibrate(BNPass(job.net, job.opts), job.batches, job.opts, write=write)
     except PreciseBNError:
         raise
     except Exception as exc:

@@ -1,97 +1,93 @@
-"""One forward-only measurement pass over a PyTorch model: attach, measure, then restore or write.
+"""One forward-only measurement pass over a PyTorch model: the ``driver.Backend`` of PyTorch models.
 
-The guarantee: a pass changes the chosen layers' ``running_mean`` and ``running_var`` and nothing
-else, and if the call that owns it raises, whatever the exception and wherever it is raised, the
-model is bit-identical to before (every buffer, attribute, class, momentum and train flag, kept by
-:mod:`.model_state`, which says why a parameter the forward writes in place is refused rather
-than copied). How:
-
-* every change to the model (attaching the captures, restoring, writing) runs inside a
-  :func:`~precise_bn.signals.critical` section, so a signal cannot split it;
-* a failure anywhere else (a forward, the merge, the report, a warning turned into an error)
-  leads to :meth:`BNPass.restore`, which is idempotent;
-* :meth:`BNPass.finish` writes with :func:`~precise_bn.signals.write`: if anything is raised
-  before the outermost all-or-nothing call returns (a signal deferred from the write on
-  included), the old statistics are put back before the exception leaves.
+A pass changes the chosen layers' ``running_mean`` and ``running_var`` and nothing else; if the
+call that owns it raises, whatever the exception and wherever, the model is bit-identical to
+before (every buffer, attribute, class and flag, kept by :mod:`.model_state`). Attaching and
+restoring are :func:`~precise_bn.signals.critical` sections; :meth:`BNPass.write` restores the
+model and writes the new statistics as one :func:`~precise_bn.signals.write`. How and why:
+docs/ARCHITECTURE.md ("One call, start to end") and docs/interrupts.md.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..data import count_samples, describe, move_to_device, recognised
+from ..buffers import Stats, round_to
+from ..data import count_samples, describe, move_to_device, recognised, smart_forward
 from ..errors import BatchError
 from ..estimator import PopulationStats
-from ..options import ForwardFn
-from ..buffers import round_to
 from ..moments import KERNELS
+from ..options import ForwardFn, Options
+from ..report import BNReport
 from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
 from .capture import CallCapture, flush
-from .layers import NamedLayer, named_modules, no_layer_message
+from .layers import NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model
 from .model_state import ModelState, module_names
 from .sharding import FullParameters
 
-Result = Optional[Tuple[torch.Tensor, torch.Tensor]]
-
 
 class BNPass:
-    """Measures ``layers`` of ``model`` while open (``with BNPass(...) as p:``).
+    """One pass over ``model`` with ``opts``: what the driver runs (:class:`precise_bn.driver.Backend`).
 
-    On enter it keeps the model's state (:class:`~precise_bn.pytorch.model_state.ModelState`)
-    and attaches a :class:`~precise_bn.pytorch.capture.CallCapture` to each chosen layer; leaving
-    the block restores everything, however it is left. :meth:`finish`, called after the block,
-    writes.
+    ``forward`` hands a batch to the model when ``opts.forward_fn`` is None; ``budget_name`` is
+    what the caller calls the batch budget (in the warning of a short pass); ``explain_batches``
+    turns a batch the model refuses into a :class:`~precise_bn.BatchError` (default: when the
+    batch goes through :func:`~precise_bn.data.smart_forward`; a caller that wraps the default
+    forward in its own says so). The layers are chosen by :meth:`choose`, which the driver calls
+    where a failure reaches every rank. ``with bn_pass:`` measures inside the block.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layers: Sequence[NamedLayer],
-        forward: ForwardFn,
-        *,
-        device: Optional[torch.device] = None,
-        autocast: Union[None, bool, torch.dtype] = None,
-        explain_batches: bool = False,
-    ):
+    kind = "float64"
+    label = "precise-bn"
+
+    def __init__(self, model: nn.Module, opts: Options, forward: ForwardFn = smart_forward, *,
+                 budget_name: str = "num_batches", explain_batches: Optional[bool] = None):
         self.model = model
-        self.layers = list(layers)
-        self.forward = forward
-        self.device = device
-        self.autocast = autocast
-        self.explain_batches = explain_batches
-        self.estimator = "float64"
+        self.opts = opts
+        self.forward = opts.forward_fn or forward
+        self.budget_name = budget_name
+        self.explain_batches = (opts.forward_fn is None and forward is smart_forward
+                                if explain_batches is None else explain_batches)
+        self.layers: List[NamedLayer] = []
+        self.names: List[str] = []
+        self.eps: List[float] = []
+        self.dtypes: List[torch.dtype] = []
+        self.captures: List[CallCapture] = []
+        self.planned: Optional[int] = None
+        self._batches = 0
+        self._attached: List[Tuple[CallCapture, nn.Module]] = []
+        self.sharding: Optional[FullParameters] = None
+        self.state: Optional[ModelState] = None
+        #: Modules whose running statistics a functional ``batch_norm`` changed during the pass
+        #: (put back, not recomputed); known once :meth:`running` is left.
+        self.not_recomputed: List[str] = []
+        #: What :meth:`write` wrote, for ``report.undo()`` and the end of a ``recalibrated`` block.
+        self.written: Optional[Snapshot] = None
+
+    def choose(self) -> None:
+        """Choose the layers (``opts.layers``), looking through DDP and ``torch.compile``."""
+        self.model = unwrap_model(self.model)
+        self.layers = select_layers(self.model, self.opts.layers)
         self.names = [name for name, _ in self.layers]
         self.eps = [float(m.eps) for _, m in self.layers]
         self.dtypes = [m.running_var.dtype for _, m in self.layers]
         self.captures = [CallCapture(PopulationStats(m.num_features, name=n, device=m.running_mean.device))
                          for n, m in self.layers]
-        self.planned: Optional[int] = None
-        self._batches = 0
-        self._attached: List[Tuple[CallCapture, nn.Module]] = []
-        self.sharding = FullParameters(model)
-        self.state: Optional[ModelState] = None
-        #: Modules whose running statistics a functional ``batch_norm`` changed during the pass
-        #: (put back, not recomputed); known once :meth:`running` is left.
-        self.not_recomputed: List[str] = []
-        self._finished = False
+        self.sharding = FullParameters(self.model)
 
     @property
     def empty_reason(self) -> str:
         return no_layer_message(self.model)
 
-    def attached(self) -> "BNPass":
-        """``with bn_pass.attached():`` measures inside the block (the object is its own context)."""
-        return self
-
-    def __enter__(self) -> "BNPass":
-        # ``return`` inside the ``try``: a signal handled after the section but before
-        # ``__enter__`` returns would otherwise leave the captures on, with no ``__exit__`` to
-        # come (the ``with`` statement calls it only once ``__enter__`` has returned).
+    def attach(self) -> None:
+        """Keep the model's state and attach a capture to each chosen layer (one critical
+        section), then gather FSDP's full parameters; on failure, everything is put back."""
+        assert self.sharding is not None
         try:
             with critical(), torch.no_grad():
                 self.state = ModelState(self.model, module_names(named_modules(self.model)))
@@ -100,10 +96,18 @@ class BNPass:
                     self._attached.append((capture, module))
                     capture.attach(module)
             self.sharding.gather()  # a collective, so outside the section: a signal can still stop a wait
-            return self
         except BaseException:
             self.restore()
             raise
+
+    def __enter__(self) -> "BNPass":
+        if self.sharding is None:
+            self.choose()
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -115,11 +119,11 @@ class BNPass:
         back when the generator is collected, instead of leaving autograd off for the process.
         """
         autocast: ContextManager[Any] = contextlib.nullcontext()
-        if self.autocast:
+        if self.opts.autocast:
             tensor = next(iter(self.model.parameters()), None)
             if tensor is None:
                 tensor = next(iter(self.model.buffers()))
-            kwargs = {} if self.autocast is True else {"dtype": self.autocast}
+            kwargs = {} if self.opts.autocast is True else {"dtype": self.opts.autocast}
             autocast = torch.autocast(device_type=tensor.device.type, **kwargs)
         with torch.no_grad(), autocast:
             yield
@@ -141,7 +145,7 @@ class BNPass:
         First, a signal's exception that a finaliser swallowed is raised (a signals checkpoint)."""
         checkpoint()
         try:
-            self.forward(self.model, move_to_device(batch, self.device))
+            self.forward(self.model, move_to_device(batch, self.opts.device))
         except Exception as exc:
             if self.explain_batches and not recognised(batch):
                 raise BatchError(
@@ -169,54 +173,56 @@ class BNPass:
         """Every layer's stats, with the calls still pending in the capture blocks merged."""
         return flush(self.captures)
 
-    def old_stats(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's running stats before the pass, float64 on the CPU."""
-        return [(m.running_mean.double().cpu(), m.running_var.double().cpu()) for _, m in self.layers]
+    def old_stats(self) -> List[Stats]:
+        """Each layer's running stats before the pass, float64 on the CPU: from the copies kept
+        when attaching, never the buffers themselves (which a float64 layer's would be)."""
+        assert self.state is not None
+        kept = [{key: value for key, _, value in self.state.saved_buffers(m)} for _, m in self.layers]
+        return [(k["running_mean"].double().cpu(), k["running_var"].double().cpu()) for k in kept]
+
+    def _detach(self) -> None:
+        while self._attached:
+            capture, module = self._attached[-1]
+            capture.detach(module)
+            self._attached.pop()
+        if self.sharding is not None:
+            self.sharding.restore()
 
     def restore(self) -> None:
         """Put the model back exactly as it was (idempotent)."""
         with critical(), torch.no_grad():
-            while self._attached:
-                capture, module = self._attached[-1]
-                capture.detach(module)
-                self._attached.pop()
-            self.sharding.restore()
+            self._detach()
             if self.state is not None:
                 self.state.restore()
 
-    def snapshot(self, sync: Optional[bool], group: Any, timeout: float) -> Snapshot:
-        """The recomputed layers' buffers as before the call and as they are now: called right
-        after the write, it keeps what :meth:`restore` would have put back, so the call can be
-        undone later (``report.undo()``)."""
-        assert self.state is not None
-        return Snapshot([(name, module, key, buf, saved) for name, module in self.layers
-                         for key, buf, saved in self.state.saved_buffers(module)], sync, group, timeout)
+    def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
+        """Put the model back and write ``results`` (float64 ``(mean, var)`` per layer, None to
+        keep a layer's old stats) in place with ``copy_``, so references held elsewhere see
+        them, each rounded to nearest in the buffer's dtype (:func:`~precise_bn.buffers.round_to`);
+        then keep in ``report`` what was written, for ``report.undo()``.
 
-    def finish(self, results: Sequence[Result]) -> None:
-        """Write ``results`` (float64 ``(mean, var)`` per layer, None to keep a layer's old stats)
-        in place with ``copy_``, so references held elsewhere see them, each rounded to nearest
-        in the buffer's dtype (:func:`~precise_bn.buffers.round_to`).
-
-        A :func:`~precise_bn.signals.write`: if the all-or-nothing call around it raises, a
-        signal's handler included, the old statistics are put back before the exception leaves.
+        One :func:`~precise_bn.signals.write`: if the all-or-nothing call around it raises, a
+        signal's handler included, the model is put back as it was before the pass.
         """
+        state = self.state
+        assert state is not None
 
         def change() -> None:
             with torch.no_grad():
-                self.restore()
+                self._detach()
+                state.restore()
                 for (_, module), result in zip(self.layers, results):
                     if result is not None:
                         module.running_mean.copy_(round_to(result[0], module.running_mean.dtype))
                         module.running_var.copy_(round_to(result[1], module.running_var.dtype))
-            self._finished = True
 
-        def undo() -> None:
-            with torch.no_grad():
-                if self.state is not None:
-                    self.state.restore()
+        write(change, self.restore)
+        self.written = report.snapshot = Snapshot(
+            [(name, module, key, buf, saved) for name, module in self.layers
+             for key, buf, saved in state.saved_buffers(module)], self.opts.sync, self.opts.group, self.opts.timeout)
 
-        write(change, undo)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self._finished:
-            self.restore()
+    def put_back(self) -> None:
+        """What leaving a ``recalibrated`` block does: the statistics from before the call back,
+        whatever happened since (idempotent)."""
+        if self.written is not None:
+            self.written.restore()
