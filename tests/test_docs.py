@@ -229,3 +229,17 @@ def test_every_docs_page_links_back_to_the_readme():
     for page in sorted((REPO / "docs").glob("*.md")):
         targets = [path for path, _ in _links(page)]
         assert "../README.md" in targets, "{} has no link back to the README".format(page.relative_to(REPO))
+
+
+def test_the_readme_cost_figures_are_the_cost_benchmark_s():
+    """The README's cost line quotes the range ``benchmarks/cost.py`` last wrote: over the models,
+    the pass over the forward and over fvcore, so that a rerun that moves them fails here until
+    the README says so."""
+    results = (README.parent / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    section = results.split("<!-- BEGIN cost -->")[1].split("<!-- END cost -->")[0]
+    forward = [float(x) for x in re.findall(r"^- precise-bn on \S+: ([\d.]+)x the forward", section, re.M)]
+    fvcore = [float(x) for x in re.findall(r"^- precise-bn / fvcore on \S+: ([\d.]+) ", section, re.M)]
+    assert len(forward) == len(fvcore) == 3, (forward, fvcore)
+    line = "a pass costs {:.3f}x to {:.3f}x the forward and {:.3f}x to {:.3f}x fvcore's".format(
+        min(forward), max(forward), min(fvcore), max(fvcore))
+    assert line in " ".join(README.read_text(encoding="utf-8").split()), line
