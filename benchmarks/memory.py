@@ -179,8 +179,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     body = "\n\n".join(common.section_head("Extra memory of a pass (`benchmarks/memory.py`)", argv) + [
         "![pass memory](pass_memory.png)",
         "Peak resident memory of `precise_bn.recompute` minus that of the plain train-mode forward "
-        "on the same {} batches, in MiB, smallest of {} run(s) in a fresh worker process (the method "
-        "of the compare section's memory table: `VmHWM` reset before each run, glibc returning "
+        "on the same {} batches, in MiB, smallest of {} run(s) in a fresh worker process ("
+        "`VmHWM` reset before each run, glibc returning "
         "every block of 64 KiB or more). Rerun, a case moves by up to about 2 MiB (heap and Python "
         "objects): read the peaks to that precision. A "
         "pass keeps one copy of the model's buffers, to put back whatever the forwards change "

@@ -1,6 +1,7 @@
 """Running the ``precise-bn`` command in-process on files a test wrote, and comparing checkpoints bit for bit."""
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any, Iterable, List, Mapping, NamedTuple, Sequence, Set, Tuple
 
@@ -25,6 +26,17 @@ class Result(NamedTuple):
     returncode: int
     stdout: str
     stderr: str
+
+
+def torchrun(ranks: int) -> List[str]:
+    """``python -m torch.distributed.run`` arguments for ``ranks`` local ranks: a static rendezvous
+    on a free port, since torch 1.10's ``--standalone`` (a c10d rendezvous on a fixed port) could
+    hang its launcher when two launches followed each other."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return ["-m", "torch.distributed.run", "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "--nproc_per_node", str(ranks)]
 
 
 def run_cli(capsys: Any, *args: Any) -> Result:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_helpers import REPO, TESTS, TRUST, load, run_cli
+from cli_helpers import REPO, TESTS, TRUST, load, run_cli, torchrun
 from precise_bn.cli import main
 from precise_bn.digits import load_digits, make_model, train
 from reference import assert_close_exact, float64_reference
@@ -112,7 +112,7 @@ def test_under_torchrun_the_ranks_merge_and_agree(tmp_path):
     torch.save({"model": model.state_dict()}, str(tmp_path / "c.pt"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "precise_bn",
+        [sys.executable, *torchrun(2), "-m", "precise_bn",
          "check", str(tmp_path / "c.pt"), "--model", MODEL, "--data", "factories:digit_shard",
          "--report", str(tmp_path / "r.json"), "-q", *TRUST],
         capture_output=True, text=True, env=env, timeout=600, cwd=str(TESTS))

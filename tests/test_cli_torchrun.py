@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from factories import small_net, trained_net
-from cli_helpers import REPO, TESTS, TRUST, load
+from cli_helpers import REPO, TESTS, TRUST, load, torchrun
 from precise_bn.cli.data_specs import RankBatches
 from reference import assert_close_exact, float64_reference
 
@@ -22,7 +22,7 @@ BATCH = 6
 
 def _run(*args, timeout, ranks=2):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]), OMP_NUM_THREADS="1")
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
+    launcher = torchrun(ranks) if ranks > 1 else []
     return subprocess.run(
         [sys.executable, *launcher, "-m", "precise_bn", *[str(a) for a in args], *TRUST],
         capture_output=True, text=True, env=env, timeout=timeout, cwd=str(TESTS),
