@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 import dist_workers as W
+from cli_helpers import torchrun
 import precise_bn
 from precise_bn import PopulationStats, recompute
 from precise_bn import distributed
@@ -333,12 +333,6 @@ def test_syncbn_on_one_process_matches_reference_and_is_restored():
         assert report[name].elements == count and report[name].calls == len(batches)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _load_example():
     path = os.path.join(REPO_ROOT, "scripts", "distributed_example.py")
     spec = importlib.util.spec_from_file_location("distributed_example", path)
@@ -354,9 +348,7 @@ def test_torchrun_example_env_init(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["OMP_NUM_THREADS"] = "1"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", "--master_port={}".format(_free_port()),
-        path, "--save", str(save),
+        sys.executable, *torchrun(2), path, "--save", str(save),
     ]
     # A new session lets a timeout kill the launcher and its workers together.
     proc = subprocess.Popen(
