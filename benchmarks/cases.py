@@ -78,7 +78,16 @@ def _torchvision(name: str) -> nn.Module:
     return getattr(torchvision.models.video if video else torchvision.models, name)(weights=None)
 
 
+def _timm(name: str) -> nn.Module:
+    import timm
+
+    return timm.create_model(name, pretrained=False)
+
+
 BUILDERS: Dict[str, Callable[..., nn.Module]] = {
+    "efficientnet_b0": functools.partial(_timm, "efficientnet_b0"),
+    "regnety_016": functools.partial(_timm, "regnety_016"),
+    "resnet50d": functools.partial(_timm, "resnet50d"),
     "resnet18": functools.partial(_torchvision, "resnet18"),
     "resnet50": functools.partial(_torchvision, "resnet50"),
     "mobilenet_v3_large": functools.partial(_torchvision, "mobilenet_v3_large"),

@@ -42,13 +42,11 @@ def collect() -> None:
 
 
 def settle() -> None:
-    """Steady state, before anything is timed: compile the float64 sums of every form the
-    warm-up runs measured (what a process does once it has measured
-    ``moments.COMPILE_AFTER`` elements) and wait for them, so that no compile runs during a
-    timed run and every timed call uses the compiled sums. A no-op with
-    ``PRECISE_BN_COMPILE=never``; a failed compile is logged (the eager sums then run)."""
-    moments.KERNELS.start()
-    moments.KERNELS.wait()
+    """Steady state, before anything is timed: load (or compile, once per machine) the float64
+    sums of every form the warm-up runs measured, what a long pass does after its first batch,
+    so that no compile runs during a timed run and every timed call uses the compiled sums. A
+    no-op with ``PRECISE_BN_COMPILE=never``; a failed compile is logged (the eager sums then run)."""
+    moments.KERNELS.compile_seen()
     if moments.KERNELS.failures:
         log.warning("compiling the float64 sums failed, timing the eager ones: %s", moments.KERNELS.failures)
 
@@ -81,17 +79,10 @@ def eager_sums() -> Iterator[moments.Kernels]:
         moments.KERNELS = saved
 
 
-def kernel_name(key: Sequence[Any]) -> str:
-    """A compiled form of :data:`precise_bn.moments.KERNELS`, in words: its layout, input
-    dtype, shift dtype, and whether it serves calls under autocast."""
-    short = [str(part).replace("torch.", "") for part in key[:3]]
-    return "{} {} around {}{}".format(*short, " under autocast" if len(key) > 4 and key[4] else "")
-
-
 def sums_text() -> str:
     """How this process measures the float64 sums: the compile policy and what it compiled."""
-    ready = sorted(kernel_name(key) for key in moments.KERNELS.ready)
-    return "Float64 sums: `PRECISE_BN_COMPILE={}`; compiled in this process: {}.".format(
+    ready = sorted(moments.kernel_name(where[:3] + (where[3].type,)) for where in moments.KERNELS.ready)
+    return "Float64 sums: `PRECISE_BN_COMPILE={}`; compiled sums loaded in this process: {}.".format(
         os.environ.get("PRECISE_BN_COMPILE", "auto"), ", ".join(ready) if ready else "none (eager operators)")
 
 

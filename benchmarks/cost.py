@@ -3,11 +3,12 @@ in CPU time on one thread, and what compiling its float64 sums buys.
 
     python benchmarks/cost.py [--quick] [--out DIR] [--reps N]
 
-On resnet50, mobilenet_v3_large and r2plus1d_18 (the sizes of ``compare.py``), on the same
-batches in one process: the plain train-mode forward under ``no_grad`` (the floor),
-``precise_bn.recompute`` at steady state (after one call, ``moments.KERNELS`` has compiled what
-it needed; the script checks that no compile failed and that the next call measures nothing
-eagerly), the same pass with the eager float64 sums (a fresh ``Kernels`` under
+On resnet50, mobilenet_v3_large and r2plus1d_18 (the sizes of ``compare.py``) and timm's
+efficientnet_b0, regnety_016 and resnet50d at 64 x 64 (many BN layers on small activations;
+their target is against fvcore alone), on the same batches in one process: the plain train-mode forward under ``no_grad`` (the floor),
+``precise_bn.recompute`` at steady state (after one call, ``common.settle`` has loaded, or
+compiled once for the machine, the sums it measured; the script checks that no compile failed
+and that the next call measures nothing eagerly), the same pass with the eager float64 sums (a fresh ``Kernels`` under
 ``PRECISE_BN_COMPILE=never``), and fvcore's ``update_bn_stats``. The default path runs under
 ``PRECISE_BN_COMPILE=auto`` whatever the caller's environment says. Each run is timed by the CPU
 time of this process (``time.process_time``) on one thread, which counts only the cycles the run
@@ -39,6 +40,9 @@ from precise_bn import moments
 METHODS = [FLOOR, "precise-bn", EAGER, "fvcore"]
 MODELS = ("resnet50", "mobilenet_v3_large", "r2plus1d_18")
 TARGET = 1.05
+#: timm models with many BN layers on small activations: the target is against fvcore alone.
+TIMM = [cases.Case(name, (3, 64, 64), 8, 16) for name in ("efficientnet_b0", "regnety_016", "resnet50d")]
+TIMM_TARGET = 1.10
 
 
 @dataclasses.dataclass
@@ -57,15 +61,16 @@ class Steady:
 
 
 def reach_steady_state(case: cases.Case) -> Steady:
-    """One default call on ``case``, the compiles it asked for waited for, then a second call:
-    what was compiled, what failed, and how many elements the second call measured eagerly."""
+    """One default call on ``case``, the sums it measured loaded (compiled if this machine never
+    did), then a second call: what is loaded, what failed, and how many elements the second call
+    measured eagerly."""
     model, batches = case.build()
     methods.precise_default(copy.deepcopy(model), batches)
     common.settle()
     before = moments.KERNELS.eager_elements
     methods.precise_default(copy.deepcopy(model), batches)
     kernels = moments.KERNELS
-    return Steady(sorted(common.kernel_name(key) for key in kernels.ready),
+    return Steady(sorted(moments.kernel_name(where[:3] + (where[3].type,)) for where in kernels.ready),
                   list(kernels.failures), kernels.eager_elements - before)
 
 
@@ -77,22 +82,31 @@ def measure(case: cases.Case, reps: int) -> Tuple[methods.CaseResult, Steady]:
     return result, steady
 
 
+def steady_line(r: methods.CaseResult, s: Steady) -> str:
+    return common.target_line(
+        "steady state on {}: compiled {}; failed compiles: {}; elements measured eagerly by the second "
+        "call: {}, by every call timed after it: {}".format(
+            r.case.model, ", ".join(s.compiled) or "nothing", "; ".join(s.failures) or "none",
+            s.eager_elements_second_call, s.eager_elements_while_timed), s.ok)
+
+
 def target_lines(timed: Sequence[methods.CaseResult], steady: Sequence[Steady],
                  shifted: Sequence[methods.CaseResult]) -> List[str]:
     lines = []
     for r, s in zip(timed, steady):
         t = r.timing
         versus = t["precise-bn"].versus(t["fvcore"])
+        if r.case.model in {c.model for c in TIMM}:
+            lines += [common.target_line("precise-bn / fvcore on timm {}: {:.3f} (<= {:.2f}; {:.3f}x the "
+                                         "forward)".format(r.case.model, versus, TIMM_TARGET, t["precise-bn"].median),
+                                         versus <= TIMM_TARGET), steady_line(r, s)]
+            continue
         lines += [
             common.target_line("precise-bn on {}: {:.3f}x the forward (<= {:.2f}x)".format(
                 r.case.model, t["precise-bn"].median, TARGET), t["precise-bn"].median <= TARGET),
             common.target_line("precise-bn / fvcore on {}: {:.3f} (<= 1; fvcore {:.3f}x the forward)".format(
                 r.case.model, versus, t["fvcore"].median), versus <= 1.0),
-            common.target_line(
-                "steady state on {}: compiled {}; failed compiles: {}; elements measured eagerly by the second "
-                "call: {}, by every call timed after it: {}".format(
-                    r.case.model, ", ".join(s.compiled) or "nothing", "; ".join(s.failures) or "none",
-                    s.eager_elements_second_call, s.eager_elements_while_timed), s.ok),
+            steady_line(r, s),
         ]
     outside = ["{} / {} / {}".format(r.case.model, r.case.data, m) for r in list(timed) + list(shifted)
                for m in ("precise-bn", EAGER) if not r.errors[m]["within"]]
@@ -138,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7, quick 1)")
     args = common.parse_common(parser, argv)
     reps = args.reps or (1 if args.quick else 7)
-    settings = compare.QUICK.cases if args.quick else [c for c in compare.FULL.cases if c.model in MODELS]
+    settings = compare.QUICK.cases if args.quick else [c for c in compare.FULL.cases if c.model in MODELS] + TIMM
     common.log.info("cost: %d cases, %d timed repetitions, CPU time", len(settings), reps)
     with common.compile_policy("auto"):
         measured = [measure(c, reps) for c in settings]
@@ -146,8 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         steady = [s for _, s in measured]
         shifted = [methods.evaluate_case(dataclasses.replace(c, data="shifted"), METHODS, 0) for c in settings]
         lines = target_lines(timed, steady, shifted)
-        missed = [r for r in timed if r.timing["precise-bn"].median > TARGET
-                  or r.timing["precise-bn"].versus(r.timing["fvcore"]) > 1.0]
+        missed = [r for r in timed if r.timing["precise-bn"].versus(r.timing["fvcore"]) > 1.0]
         profiles = [methods.extra_time_by_op(r, "precise-bn", clock="CPU") for r in missed[: 1 if args.quick else None]]
         fixed = fixed_cost(3 if args.quick else 15)
         text = "\n\n".join([

@@ -4,22 +4,28 @@ A call's input ``x`` (channels on dim 1, any layout) is measured around a per-ch
 near its mean: ``y = x - c`` in float64, ``mean = c + sum(y) / n``, ``var = (sum(y^2) -
 sum(y)^2 / n) / n``. Nothing cancels while ``c`` is within a few stds of the mean; on the CPU a
 call whose shift was further is measured again around its own mean, so the result is exact
-whatever the shift (docs/numerics.md derives the bound). The sums run as one fused loop compiled
-by ``torch.compile`` (C++ on the CPU, Triton on a GPU), made in a background thread once a
-process has enough to measure (:data:`COMPILE_AFTER`); until then, and wherever no compiler
-works, eager float64 operators give the same numbers within float64 rounding, slower.
-``PRECISE_BN_COMPILE`` = ``auto`` (default), ``always`` or ``never`` chooses.
+whatever the shift (docs/numerics.md derives the bound). The sums run as one fused loop that
+AOTInductor compiles into a package on disk (C++ on the CPU, Triton on a GPU) and that is called
+with no Python wrapper; until it exists, and wherever no compiler works, eager float64 operators
+give the same numbers within float64 rounding, slower. Compiling happens on the caller's thread
+when a pass is planned to be long enough for it to pay, and once per machine: the next process
+loads the package in milliseconds. Nothing runs in the background and nothing waits at exit.
+``PRECISE_BN_COMPILE`` = ``auto`` (default), ``always`` or ``never`` chooses;
+``PRECISE_BN_CACHE`` says where the packages are kept. ``python -m precise_bn.moments`` compiles
+them ahead of time (for a cluster image, or a CI cache).
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
+import hashlib
+import importlib
 import logging
 import os
-import queue
+import platform
+import tempfile
 import threading
-import types
-from typing import Callable, Dict, List, Optional, Set, Tuple
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -27,19 +33,21 @@ from .errors import ConfigError
 
 logger = logging.getLogger("precise_bn")
 
-#: Elements a process measures with eager operators before the compiled loop is made.
-COMPILE_AFTER = 1 << 27
 #: Float64 values an eager chunk forms at a time: on the CPU few enough to be summed while still
 #: in cache, on a GPU enough to keep it busy.
 CHUNK = {"cpu": 1 << 15, "other": 1 << 24}
+#: Seconds a compile is taken to cost (a cold compile of one form measured 14 to 24 s on two
+#: cores): a pass compiles when its planned eager sums would take longer than that.
+COMPILE_SECONDS = 30.0
+#: Eager seconds per element assumed where they cannot be timed (a GPU runs asynchronously).
+EAGER_SECONDS_PER_ELEMENT = 2e-10
+#: Devices where reading the far-shift flag costs nothing: the host is the device.
+HOST_DEVICES = ("cpu",)
+FORM_NAMES = ("channels_first", "channels_last")
 
-Key = Tuple[str, torch.dtype, torch.dtype, str, bool]
-Sums = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
-
-
-def _clean(shift: torch.Tensor) -> torch.Tensor:
-    # A shift that overflowed (a float32 mean of huge values) still measures, around 0.
-    return torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift)).double()
+#: (form, input dtype, shift dtype, device type): one compiled package each.
+Key = Tuple[str, torch.dtype, torch.dtype, str]
+Run = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 
 
 def _finish(c: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -50,22 +58,27 @@ def _finish(c: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n: int) -> Tupl
     return torch.stack([c + d, var]), (d * d > var).any()
 
 
-def _channels_first(x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x`` viewed ``(N, C, L)``, contiguous."""
-    c = _clean(shift)
-    y = x.double() - c.view(1, -1, 1)
-    return _finish(c, y.sum((0, 2)), (y * y).sum((0, 2)), x.shape[0] * x.shape[2])
+def _clean(shift: torch.Tensor) -> torch.Tensor:
+    # A shift that overflowed (a float32 mean of huge values) still measures, around 0.
+    return torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift)).double()
 
 
-def _channels_last(x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x`` viewed ``(A, B, C)``, contiguous: summed over ``B`` first, a few rows that stay
-    in cache for every channel, then over ``A``."""
-    c = _clean(shift)
-    y = x.double() - c
-    return _finish(c, y.sum(1).sum(0), (y * y).sum(1).sum(0), x.shape[0] * x.shape[1])
+class _Sums(torch.nn.Module):
+    """What is compiled, one form: ``x`` viewed ``(N, C, L)`` (channels first) or ``(A, B, C)``
+    (channels last), contiguous, and its shift; returns :func:`_finish`'s pair."""
 
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
 
-FORMS: Dict[str, Sums] = {"channels_first": _channels_first, "channels_last": _channels_last}
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        c = _clean(shift)
+        if self.form == "channels_first":
+            y = x.double() - c.view(1, -1, 1)
+            return _finish(c, y.sum((0, 2)), (y * y).sum((0, 2)), x.shape[0] * x.shape[2])
+        y = x.double() - c
+        # Over B first, a few rows that stay in cache for every channel, then over A.
+        return _finish(c, y.sum(1).sum(0), (y * y).sum(1).sum(0), x.shape[0] * x.shape[1])
 
 
 def view_for_sums(x: torch.Tensor) -> Tuple[str, torch.Tensor]:
@@ -80,26 +93,9 @@ def view_for_sums(x: torch.Tensor) -> Tuple[str, torch.Tensor]:
     return "channels_first", x.contiguous().view(x.shape[0], x.shape[1], -1)
 
 
-class _Scratch(threading.local):
-    """One float64 buffer per thread and device, reused: a fresh large CPU allocation costs a
-    page fault per 4 KiB every time."""
-
-    def __init__(self) -> None:
-        self.buffers: Dict[torch.device, torch.Tensor] = {}
-
-
-_SCRATCH = _Scratch()
-
-
-def _scratch(numel: int, device: torch.device) -> torch.Tensor:
-    flat = _SCRATCH.buffers.get(device)
-    if flat is None or flat.numel() < numel:
-        flat = _SCRATCH.buffers[device] = torch.empty(numel, dtype=torch.float64, device=device)
-    return flat
-
-
 def _eager(form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The same sums as :data:`FORMS`, with eager operators over chunks of rows."""
+    """The same sums as :class:`_Sums`, with eager operators over chunks of rows, in a scratch
+    buffer allocated per call (a kept one would be shared by DataParallel's threads)."""
     c = _clean(shift)
     if form == "channels_first":
         rows, dims, centre = x, (0, 2), c.view(1, -1, 1)
@@ -107,7 +103,7 @@ def _eager(form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tenso
         rows, dims, centre = x.reshape(-1, x.shape[-1]), (0,), c
     per_row = max(1, rows[:1].numel())
     step = max(1, CHUNK["cpu" if x.device.type == "cpu" else "other"] // per_row)
-    buffer = _scratch(min(rows.shape[0], step) * per_row, x.device)
+    buffer = torch.empty(min(rows.shape[0], step) * per_row, dtype=torch.float64, device=x.device)
     s1 = torch.zeros_like(c)
     s2 = torch.zeros_like(c)
     for start in range(0, rows.shape[0], step):
@@ -120,179 +116,236 @@ def _eager(form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tenso
 
 def measure(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``(2, C)`` float64 mean and biased variance of each channel of ``x`` (dim 1), measured
-    around ``shift`` (one value per channel, any float dtype). ``x`` must hold elements."""
+    around ``shift`` (one value per channel, any float dtype). ``x`` must hold elements. On a
+    GPU nothing here waits for the device."""
     form, view = view_for_sums(x)
     stats, far = KERNELS.sums(form, view, shift)
-    if far.device.type == "cpu" and bool(far):
-        stats, _ = KERNELS.sums(form, view, stats[0])
+    if far.device.type in HOST_DEVICES and far.item():
+        stats, _ = _eager(form, view, stats[0])  # rare: a shift a std or more from the mean
     return stats
 
 
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 takes no device: what it says is the CUDA flag
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
-
-
-def _copy_of(fn: Callable[..., object], tag: str) -> Callable[..., object]:
-    """``fn`` with a code object of its own: torch.compile keeps its compiled variants on the
-    code object, so each variant compiled here never shares a cache another thread is using."""
-    code = fn.__code__.replace(co_name="{}_{}".format(fn.__name__, tag))
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
-def _policy() -> str:
+def policy() -> str:
+    """``PRECISE_BN_COMPILE``, checked: ``auto``, ``always`` or ``never``."""
     value = os.environ.get("PRECISE_BN_COMPILE", "auto").strip().lower()
     if value not in ("auto", "always", "never"):
         raise ConfigError("PRECISE_BN_COMPILE must be auto, always or never, got {!r}".format(value))
     return value
 
 
-class _State:
-    """The calling thread's state that compiled code depends on (grad mode, autocast, threads,
-    ...): recorded where a form is first seen, reproduced in the compiling thread, and checked
-    before each call, so that compiled code only ever runs in the state it was made for."""
+def cache_dir() -> str:
+    """Where compiled packages are kept: ``PRECISE_BN_CACHE``, else ``precise_bn`` in the
+    user's cache directory (``XDG_CACHE_HOME`` or ``~/.cache``)."""
+    chosen = os.environ.get("PRECISE_BN_CACHE")
+    if chosen:
+        return chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "precise_bn")
 
-    def __init__(self, device: torch.device):
-        self.guard = torch._C._dynamo.guards.GlobalStateGuard()
-        self.grad = torch.is_grad_enabled()
-        self.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-                         for kind in {"cpu", device.type}}
 
-    def matches(self) -> bool:
-        return not torch._C._is_torch_function_mode_enabled() and self.guard.check()
+def _machine(device: torch.device) -> str:
+    """What a package compiled here depends on besides its key: torch, and the processor it was
+    compiled for (C++ is built for the host's instruction set, Triton for the GPU's)."""
+    if device.type == "cuda":
+        hardware = "{}-{}".format(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+    else:
+        flags = ""
+        with contextlib.suppress(OSError):
+            with open("/proc/cpuinfo") as info:
+                flags = next((line for line in info if line.startswith("flags")), "")
+        hardware = "{}-{}".format(platform.machine(), flags)
+    return "{}-{}".format(torch.__version__, hardware)
 
-    def entered(self, stack: "contextlib.ExitStack") -> bool:
-        """Enter the recorded state on this thread; whether it now matches."""
-        stack.enter_context(torch.set_grad_enabled(self.grad))
-        for kind, (enabled, dtype) in self.autocast.items():
-            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-        return self.matches()
+
+def package_path(key: Key, device: torch.device) -> str:
+    """The file the package of ``key`` compiled for ``device``'s kind is kept in."""
+    form, dtype, shift_dtype, kind = key
+    digest = hashlib.sha256(_machine(device).encode()).hexdigest()[:16]
+    name = "sums-{}-{}-{}-{}-{}.pt2".format(form, str(dtype)[6:], str(shift_dtype)[6:], kind, digest)
+    return os.path.join(cache_dir(), name)
+
+
+def _aoti() -> Any:
+    """torch's AOTInductor entry points, or None where this torch lacks them (before 2.6)."""
+    try:
+        importlib.import_module("torch.export")
+        inductor = importlib.import_module("torch._inductor")
+    except ImportError:
+        return None
+    return inductor if hasattr(inductor, "aoti_load_package") else None
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """torch's own loggers at ERROR while compiling or loading: their notes (no CUDA runtime on
+    a CPU machine, an instruction-set label) describe torch's set-up, not the user's run."""
+    loggers = [logging.getLogger(name) for name in ("torch", "torch._inductor", "torch.export",
+                                                    "torch.utils.cpp_extension")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
+def _example(key: Key, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    form, dtype, shift_dtype, _ = key
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 7, generator=gen) * 4 + 100).to(device=device, dtype=dtype)
+    shift = x.double().mean((0, 1) if form == "channels_last" else (0, 2)).to(shift_dtype)
+    return x, shift
+
+
+def compile_package(key: Key, device: torch.device, path: str) -> None:
+    """Compile ``key``'s sums for ``device`` into ``path`` (written whole, or not at all)."""
+    aoti = _aoti()
+    if aoti is None:
+        raise RuntimeError("this torch ({}) has no AOTInductor (torch 2.6 or later)".format(torch.__version__))
+    form = key[0]
+    x, shift = _example(key, device)
+    dims = [torch.export.Dim("d{}".format(i), min=1) for i in range(3)]
+    channels = dims[1] if form == "channels_first" else dims[2]
+    options: Dict[str, Any] = {"compile_threads": 1}
+    if device.type == "cpu":
+        options["cpp.simdlen"] = 256  # measured 2.6x faster than 512-bit float64 reductions
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(path))
+    os.close(handle)
+    try:
+        with _quiet_torch(), torch.no_grad():
+            program = torch.export.export(_Sums(form).to(device), (x, shift),
+                                          dynamic_shapes=({0: dims[0], 1: dims[1], 2: dims[2]}, {0: channels}))
+            aoti.aoti_compile_and_package(program, package_path=partial, inductor_configs=options)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+
+
+def load_package(key: Key, device: torch.device, path: str) -> Run:
+    """The compiled sums in ``path``, checked against the eager ones; called as
+    ``run([x, shift]) -> [stats, far]``, straight into the compiled code."""
+    aoti = _aoti()
+    if aoti is None:
+        raise RuntimeError("this torch ({}) has no AOTInductor (torch 2.6 or later)".format(torch.__version__))
+    index = device.index if device.index is not None else -1
+    with _quiet_torch():
+        if device.type == "cpu":
+            package = aoti.aoti_load_package(path)
+        else:
+            package = aoti.aoti_load_package(path, device_index=index)
+    run: Run = package.loader.run
+    x, shift = _example(key, device)
+    got = run([x, shift])
+    want = _eager(key[0], x, shift)
+    if not torch.allclose(got[0], want[0], rtol=1e-12, atol=0) or bool(got[1]) != bool(want[1]):
+        raise RuntimeError("the compiled sums in {} disagree with the eager ones".format(path))
+    return run
 
 
 class Kernels:
-    """The process's compiled sums, one per (form, input dtype, shift dtype, device type),
-    compiled in one background thread; :meth:`sums` uses them once ready, eager operators before.
+    """The process's compiled sums, one per (form, input dtype, shift dtype, device);
+    :meth:`sums` uses them once loaded, eager operators before.
 
-    The thread starts once the process has measured :data:`COMPILE_AFTER` elements eagerly (or
-    :meth:`expect` says a pass will), or at once with ``PRECISE_BN_COMPILE=always``. Compiled
-    code is called through dynamo's run-only mode: it never compiles on the caller's thread."""
+    A package on disk is loaded the first time its key is seen. A missing one is compiled on
+    the caller's thread: at once with ``PRECISE_BN_COMPILE=always``, or when :meth:`expect`
+    says that the pass's planned eager sums would take longer than :data:`COMPILE_SECONDS`.
+    Each compile says so in one line, with how long it took; a failure says why, once, and the
+    eager sums go on (the same numbers)."""
 
     def __init__(self) -> None:
-        self.ready: Dict[Key, Tuple[Sums, _State]] = {}
+        self.ready: Dict[Tuple[str, torch.dtype, torch.dtype, torch.device], Run] = {}
         self.eager_elements = 0
-        self._seen: Dict[Key, Tuple[torch.device, Optional[_State]]] = {}
-        self._asked: Set[Key] = set()
-        self._queue: "queue.Queue[Key]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
+        self.eager_seconds = 0.0
+        #: Seconds spent compiling and loading packages, and the keys compiled, in this process.
+        self.compile_seconds = 0.0
+        self.compiled: List[Key] = []
         self.failures: List[str] = []
-        self._on = False
-        self._closing = False
+        self._seen: Dict[Tuple[str, torch.dtype, torch.dtype, torch.device], Key] = {}
+        self._given_up: Set[Key] = set()
+        self._lock = threading.Lock()  # DataParallel's threads may see a new form together
 
     def sums(self, form: str, x: torch.Tensor, shift: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (form, x.dtype, shift.dtype, x.device.type, _autocast_on(x.device.type))
-        entry = self.ready.get(key)
-        if entry is not None and entry[1].matches():
-            return entry[0](x, shift)
-        if key not in self._seen:
-            self._note(key, x.device)
+        """Shifted float64 sums of ``x`` (viewed by :func:`view_for_sums`): ``((2, C), far)``."""
+        where = (form, x.dtype, shift.dtype, x.device)
+        run = self.ready.get(where)
+        if run is not None and type(x) is torch.Tensor and not _modes_on():
+            out = run([x, shift])
+            return out[0], out[1]
+        if where not in self._seen:
+            with self._lock:
+                if where not in self._seen:
+                    self._first_sight(where)
+            if where in self.ready:
+                return self.sums(form, x, shift)
         self.eager_elements += x.numel()
-        if not self._on and self.eager_elements >= COMPILE_AFTER:
-            self.start()
-        return _eager(form, x, shift)
-
-    def _note(self, key: Key, device: torch.device) -> None:
+        if x.device.type != "cpu":
+            return _eager(form, x, shift)
+        start = time.perf_counter()
         try:
-            state: Optional[_State] = _State(device)
-        except (AttributeError, TypeError, RuntimeError):  # a torch without what compiling needs
-            state = None
-        with self._lock:
-            self._seen[key] = (device, state)
-        if self._on:
-            self._ask(key)
-        elif _policy() == "always":
-            self.start()
+            return _eager(form, x, shift)
+        finally:
+            self.eager_seconds += time.perf_counter() - start
+
+    def _first_sight(self, where: Tuple[str, torch.dtype, torch.dtype, torch.device]) -> None:
+        form, dtype, shift_dtype, device = where
+        key = self._seen[where] = (form, dtype, shift_dtype, device.type)
+        choice = policy()
+        if choice == "never" or _aoti() is None:
+            return
+        if os.path.exists(package_path(key, device)) or choice == "always":
+            self._prepare(where)
 
     def expect(self, elements: int) -> None:
-        """A pass is about to measure about ``elements`` more elements: compile now if that
-        takes the process past :data:`COMPILE_AFTER`."""
-        if not self._on and self.eager_elements + elements >= COMPILE_AFTER:
-            self.start()
-
-    def start(self) -> None:
-        """Compile every form seen so far, and each new one as it is seen, in the background."""
-        policy = _policy()
-        if self._on or policy == "never":
+        """A pass is about to measure about ``elements`` more elements through the forms seen
+        so far: compile those not ready if their eager sums would take longer than a compile."""
+        if policy() != "auto" or not self.eager_elements:
             return
-        self._on = True
-        if not hasattr(torch, "compile"):
-            self._fail("this torch ({}) has no torch.compile".format(torch.__version__))
+        missing = self._missing()
+        per_element = (self.eager_seconds / self.eager_elements if self.eager_seconds
+                       else EAGER_SECONDS_PER_ELEMENT)
+        if missing and elements * per_element > COMPILE_SECONDS * len(missing):
+            self.compile_seen()
+        elif missing:
+            logger.debug("precise-bn: float64 sums stay eager for this pass: about %.1f s of them, "
+                         "less than compiling", elements * per_element)
+
+    def _missing(self) -> List[Tuple[str, torch.dtype, torch.dtype, torch.device]]:
+        return [where for where, key in self._seen.items() if where not in self.ready and key not in self._given_up]
+
+    def compile_seen(self) -> None:
+        """Load or compile every form seen so far that is not ready (unless ``never``)."""
+        if policy() == "never":
             return
         with self._lock:
-            seen = list(self._seen)
-        for key in seen:
-            self._ask(key)
-        if seen and all(self._seen[key][1] is None for key in seen):
-            self._fail("this torch ({}) lacks what compiling needs".format(torch.__version__))
+            for where in self._missing():
+                self._prepare(where)
 
-    def _ask(self, key: Key) -> None:
-        with self._lock:
-            if key in self._asked or self._seen[key][1] is None:
-                return
-            self._asked.add(key)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="precise-bn compile", daemon=True)
-                self._thread.start()
-                atexit.register(self._close)
-        self._queue.put(key)
-
-    def _close(self) -> None:
-        """At exit: wait for the compile under way and drop the others. A compile left running
-        while the interpreter and torch shut down crashes the process."""
-        self._closing = True
-        self.wait()
-
-    def _work(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if not self._closing:
-                    self._compile(key)
-            except Exception as exc:  # any failure leaves the eager path, which is always right
-                self._fail("{}: {}".format(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
-            finally:
-                self._queue.task_done()
-
-    def _compile(self, key: Key) -> None:
-        import torch._dynamo
-
-        form, dtype, shift_dtype = key[:3]
-        device, state = self._seen[key]
-        assert state is not None
-        options: Dict[str, object] = {"compile_threads": 1}
-        if device.type == "cpu":
-            # Inductor's 512-bit float64 reductions run slower than its 256-bit ones.
-            options["cpp.simdlen"] = 256
-        fn = _copy_of(FORMS[form], "_".join(map(str, key)))
-        compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
-        gen = torch.Generator().manual_seed(0)
-        example = (torch.randn(3, 5, 7, generator=gen) * 4 + 100).to(device=device, dtype=dtype)
-        shift = example.double().mean((0, 1) if form == "channels_last" else (0, 2)).to(shift_dtype)
-        for dim in range(3):
-            torch._dynamo.decorators.mark_unbacked(example, dim)  # any size, 1 included: one compile
-        torch._dynamo.decorators.mark_unbacked(shift, 0)
-        with contextlib.ExitStack() as stack:
-            if not state.entered(stack):
-                logger.debug("precise-bn: not compiling %s: the calling thread's state cannot be reproduced", key)
-                return
-            got, _ = compiled(example, shift)
-            want, _ = _eager(form, example, shift)
-        if not torch.allclose(got, want, rtol=1e-12, atol=0):
-            raise RuntimeError("the compiled sums disagree with the eager ones: {} vs {}".format(got, want))
-        self.ready[key] = (torch._dynamo.run(fn), state)
-        logger.debug("precise-bn: compiled the float64 sums for %s", key)
+    def _prepare(self, where: Tuple[str, torch.dtype, torch.dtype, torch.device]) -> None:
+        """Load ``where``'s package, compiling it first if it is not on disk."""
+        key, device = self._seen[where], where[3]
+        if key in self._given_up:
+            return
+        path = package_path(key, device)
+        start = time.perf_counter()
+        try:
+            built = not os.path.exists(path)
+            if built:
+                compile_package(key, device, path)
+            self.ready[where] = load_package(key, device, path)
+        except Exception as exc:  # any failure leaves the eager path, which is always right
+            self._given_up.add(key)
+            self._fail("{}: {}".format(type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else ""))
+            return
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        if built:
+            self.compiled.append(key)
+            logger.warning("precise-bn: compiled the float64 sums for %s in %.1f s, once for this machine "
+                           "(kept in %s)", kernel_name(key), seconds, os.path.dirname(path))
 
     def _fail(self, why: str) -> None:
         if not self.failures:
@@ -300,10 +353,51 @@ class Kernels:
                            "compiling them failed: %s", why)
         self.failures.append(why)
 
-    def wait(self) -> None:
-        """Block until every compile asked for so far is done (tests and benchmarks)."""
-        if self._thread is not None:
-            self._queue.join()
+    def compile_ahead(self, keys: Sequence[Key], device: torch.device) -> List[str]:
+        """Compile and load every key in ``keys`` for ``device`` now (what ``python -m
+        precise_bn.moments`` does); returns the package paths."""
+        paths = []
+        with self._lock:
+            for key in keys:
+                where = (key[0], key[1], key[2], device)
+                self._seen.setdefault(where, key)
+                self._prepare(where)
+                paths.append(package_path(key, device))
+        return paths
+
+
+def _modes_on() -> bool:
+    """Whether a torch function mode is active: it must see the eager operators."""
+    return torch._C._is_torch_function_mode_enabled()
+
+
+def kernel_name(key: Sequence[Any]) -> str:
+    """A key in words: its layout, input dtype, shift dtype and device type."""
+    form, dtype, shift_dtype, kind = key[:4]
+    return "{} {} around {} on {}".format(form, str(dtype)[6:], str(shift_dtype)[6:], kind)
 
 
 KERNELS = Kernels()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Compile the sums of every form for the usual dtypes ahead of time."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m precise_bn.moments", description=main.__doc__)
+    parser.add_argument("--device", default="cpu", help="the device to compile for (default: cpu)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16",
+                        help="input dtypes, comma-separated (default: float32,bfloat16,float16)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtypes = [getattr(torch, name.strip()) for name in args.dtypes.split(",") if name.strip()]
+    keys = [(form, dtype, torch.float32, device.type) for form in FORM_NAMES for dtype in dtypes]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    KERNELS.compile_ahead(keys, device)
+    for key in keys:
+        print("{}: {}".format(kernel_name(key), package_path(key, device)))
+    return 1 if KERNELS.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,13 +8,16 @@ even collected when the run's ``-m`` expression excludes its marker.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 
-# Compiling the float64 sums happens in a background thread once a process has measured enough;
-# the suite's passes are small, and the tests that exercise the compiled loop ask for it
-# themselves (tests/test_moments.py), so that no other test depends on when a compile ends.
+# The suite's passes are small and measure with the eager float64 sums; the tests that exercise
+# the compiled ones ask for them (tests/test_moments.py, tests/test_benchmarks.py) and keep the
+# packages in a folder of this run's own, never the user's cache.
 os.environ.setdefault("PRECISE_BN_COMPILE", "never")
+os.environ["PRECISE_BN_CACHE"] = tempfile.mkdtemp(prefix="precise-bn-tests-")
 
 # The tests' tensors are small: one thread each. Several threads per process spin-wait for one
 # another, which on a loaded machine (other jobs, or CI's two cores) makes them many times slower.
@@ -32,3 +35,7 @@ def pytest_ignore_collect(collection_path, config):
         if "pytestmark = pytest.mark." + marker in text and "not " + marker in markexpr:
             return True
     return None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(os.environ["PRECISE_BN_CACHE"], ignore_errors=True)

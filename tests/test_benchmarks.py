@@ -28,6 +28,7 @@ import cost  # noqa: E402
 import demo_seeds  # noqa: E402
 import exact_attack  # noqa: E402
 import fresh_process  # noqa: E402
+import gpu  # noqa: E402
 import interleaved  # noqa: E402
 import memory  # noqa: E402
 import methods  # noqa: E402
@@ -94,6 +95,13 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernel
     assert "| bn_mlp + 1 MiB buffer |" in text
     for png in ("scaling.png", "memory.png", "budget.png", "pass_memory.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what the GPU benchmark does without a GPU")
+def test_the_gpu_benchmark_says_it_has_no_device_and_writes_nothing(tmp_path, capsys):
+    gpu.main(["--quick", "--out", str(tmp_path)])
+    assert capsys.readouterr().out == "benchmarks/gpu.py: no CUDA device here; nothing measured\n"
+    assert not (tmp_path / "RESULTS.md").exists()
 
 
 def test_write_section_replaces_only_its_own_block(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from precise_bn.estimator import PopulationStats
-from precise_bn.pytorch.capture import CallCapture, calls_per_block, flush
+from precise_bn.pytorch.capture import CallCapture, calls_per_block, flush, merge_due
 from reference import assert_close_exact
 
 C = 5
@@ -28,12 +28,14 @@ def _reference(inputs):
 
 
 def _run(inputs, block_calls=None, bn=None):
+    """Each input a batch: the full blocks merged between batches, as a pass does."""
     bn = bn if bn is not None else nn.BatchNorm2d(inputs[0].shape[1])
     capture = CallCapture(PopulationStats(bn.num_features, name="bn"), block_calls=block_calls)
     capture.attach(bn)
     with torch.no_grad():
         for x in inputs:
             bn(x)
+            merge_due([capture])
     capture.detach(bn)
     return capture, bn
 
@@ -42,7 +44,7 @@ def test_blocks_fill_and_merge_to_the_float64_reference():
     inputs = _calls(75)
     capture, _ = _run(inputs, block_calls=40)
     block = next(iter(capture._blocks.values()))
-    assert len(block.results) == len(block.counts) == 75 - 40
+    assert len(block.calls) == 75 - 40 and capture.stats.calls == 40
     stats = capture.flush()
     ref_mean, ref_var, count = _reference(inputs)
     assert (stats.count, stats.calls) == (count, 75)
@@ -53,8 +55,39 @@ def test_blocks_fill_and_merge_to_the_float64_reference():
 def test_memory_is_bounded_by_the_block_whatever_the_number_of_calls():
     capture, _ = _run(_calls(200), block_calls=8)
     block = next(iter(capture._blocks.values()))
-    assert len(block.results) == len(block.counts) == 0  # 200 = 25 full blocks
+    assert len(block.calls) == 0  # 200 = 25 full blocks
     assert capture.stats.calls == 200
+
+
+def test_a_layer_called_many_times_in_one_batch_is_merged_after_it():
+    bn = nn.BatchNorm2d(C)
+    capture = CallCapture(PopulationStats(C, name="bn"), block_calls=8)
+    capture.attach(bn)
+    inputs = _calls(20)
+    with torch.no_grad():
+        for x in inputs:  # one batch, 20 calls of the layer
+            bn(x)
+        assert len(next(iter(capture._blocks.values())).calls) == 20 and capture.stats.calls == 0
+        merge_due([capture])
+    capture.detach(bn)
+    assert capture.stats.calls == 20 and not capture.due()
+    ref_mean, ref_var, _ = _reference(inputs)
+    assert_close_exact(*capture.stats.finalize(), ref_mean, ref_var, "one batch")
+
+
+def test_due_layers_merge_together_and_the_others_wait():
+    full = CallCapture(PopulationStats(C, name="full"), block_calls=2)
+    waiting = CallCapture(PopulationStats(C, name="waiting"), block_calls=4)
+    layers = [nn.BatchNorm2d(C), nn.BatchNorm2d(C)]
+    full.attach(layers[0])
+    waiting.attach(layers[1])
+    with torch.no_grad():
+        for x in _calls(2):
+            for layer in layers:
+                layer(x)
+    merge_due([full, waiting])
+    assert (full.stats.calls, waiting.stats.calls) == (2, 0)
+    assert len(next(iter(waiting._blocks.values())).calls) == 2
 
 
 def test_grouped_flush_equals_one_merge_per_layer():
@@ -183,3 +216,43 @@ def test_a_subclass_that_changes_what_the_capture_relies_on_is_measured_from_its
     ref_mean, ref_var, _ = _reference(inputs)
     assert_close_exact(*capture.flush().finalize(), ref_mean, ref_var, "momentum set in forward")
     assert bn.momentum == 0.1  # as before the pass, like everything else
+
+
+@pytest.mark.main_env  # dispatch modes came with torch 2
+def test_a_captured_call_off_the_cpu_never_waits_for_the_device(monkeypatch):
+    """What runs per call where the device is not the host (a GPU), run here on the CPU with
+    the far-shift check switched to the device path: no operator reads a value back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from precise_bn import moments
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.item,
+                                       torch.ops.aten.is_nonzero, torch.ops.aten.equal):
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Scaled(nn.BatchNorm2d):  # a subclass with a formula of its own: measured through the slot
+        def forward(self, x):
+            return super().forward(x * 2.0)
+
+    monkeypatch.setattr(moments, "HOST_DEVICES", ())
+    layers = [nn.BatchNorm2d(C), nn.BatchNorm1d(C), Scaled(C)]
+    captures = [CallCapture(PopulationStats(C, name=str(i)), block_calls=2) for i in range(3)]
+    for capture, layer in zip(captures, layers):
+        capture.attach(layer)
+    inputs = _calls(5)
+    with torch.no_grad():
+        for x in inputs:
+            with Reads():
+                layers[0](x)
+                layers[1](x.mean((2, 3)))
+                layers[2](x.contiguous(memory_format=torch.channels_last))
+                merge_due(captures)
+    assert reads == []
+    assert [c.flush().calls for c in captures] == [5, 5, 5]
+    ref_mean, ref_var, _ = _reference(inputs)
+    assert_close_exact(*captures[0].stats.finalize(), ref_mean, ref_var, "device path")

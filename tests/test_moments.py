@@ -4,7 +4,13 @@ when and how the compiled loop is made."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
 import threading
+import types
 
 import pytest
 import torch
@@ -77,122 +83,209 @@ def test_a_constant_channel_is_exactly_0_whatever_its_shift():
         assert moments.measure(x, shift)[1].tolist() == [0.0, 0.0]
 
 
-def test_the_policy_comes_from_the_environment_and_a_bad_value_is_refused(monkeypatch):
+def test_the_policy_comes_from_the_environment_and_a_bad_value_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
     monkeypatch.setenv("PRECISE_BN_COMPILE", "sometimes")
     with pytest.raises(ConfigError, match="PRECISE_BN_COMPILE must be auto, always or never, got 'sometimes'"):
-        moments.Kernels().start()
+        moments.Kernels().sums("channels_first", torch.randn(2, 3, 4), torch.zeros(3))
     monkeypatch.setenv("PRECISE_BN_COMPILE", "never")
     kernels = moments.Kernels()
-    kernels.start()
     kernels.sums("channels_first", torch.randn(2, 3, 4), torch.zeros(3))
-    assert kernels._thread is None and not kernels.ready
+    kernels.expect(10 ** 15)
+    kernels.compile_seen()
+    assert not kernels.ready and not kernels.compiled and not list(tmp_path.iterdir())
 
 
-needs_compile = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile came with torch 2.0")
+KEY = ("channels_first", torch.float32, torch.float32, "cpu")
 
 
-@needs_compile
-def test_auto_compiles_once_enough_was_measured_eagerly_or_is_expected(monkeypatch):
+@pytest.fixture
+def fake_compiler(monkeypatch, tmp_path):
+    """compile_package and load_package replaced by recorders (the thread each ran on)."""
+    monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
+    calls = []
+
+    def compile_package(key, device, path):
+        calls.append(("compile", key, threading.current_thread()))
+        open(path, "w").close()
+
+    def load_package(key, device, path):
+        calls.append(("load", key, threading.current_thread()))
+        return lambda inputs: list(moments._eager(key[0], *inputs))
+
+    monkeypatch.setattr(moments, "compile_package", compile_package)
+    monkeypatch.setattr(moments, "load_package", load_package)
+    monkeypatch.setattr(moments, "_aoti", lambda: object())
+    return calls
+
+
+def test_auto_compiles_on_the_callers_thread_only_when_the_planned_pass_pays(fake_compiler, monkeypatch, caplog):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
-    monkeypatch.setattr(moments, "COMPILE_AFTER", 1000)
-    compiled = []
-    monkeypatch.setattr(moments.Kernels, "_compile", lambda self, key: compiled.append(key))
     kernels = moments.Kernels()
-    x = torch.randn(4, 3, 8)  # 96 elements a call
-    for _ in range(10):
-        kernels.sums("channels_first", x, torch.zeros(3))
-    kernels.wait()
-    assert compiled == [] and kernels._thread is None  # 960 elements: not yet
+    x = torch.randn(4, 3, 8)
     kernels.sums("channels_first", x, torch.zeros(3))
-    kernels.wait()
-    assert compiled == [("channels_first", torch.float32, torch.float32, "cpu", False)]
-    kernels.sums("channels_last", x, torch.zeros(8, dtype=torch.float64))  # new forms are compiled once seen
-    kernels.wait()
-    assert compiled[1:] == [("channels_last", torch.float32, torch.float64, "cpu", False)]
+    assert fake_compiler == [] and kernels.eager_elements == 96
+    per_element = kernels.eager_seconds / kernels.eager_elements
+    kernels.expect(int(moments.COMPILE_SECONDS / per_element / 2))  # half a compile's worth: stays eager
+    assert fake_compiler == []
+    with caplog.at_level(logging.WARNING, logger="precise_bn"):
+        kernels.expect(int(moments.COMPILE_SECONDS / per_element * 2))
+    assert [(what, key) for what, key, _ in fake_compiler] == [("compile", KEY), ("load", KEY)]
+    assert all(thread is threading.current_thread() for _, _, thread in fake_compiler)
+    assert threading.active_count() == 1 or all(t.name != "precise-bn compile" for t in threading.enumerate())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and re.match(r"precise-bn: compiled the float64 sums for channels_first float32 around "
+                                        r"float32 on cpu in \d+\.\d s, once for this machine \(kept in ", lines[0])
+    before = kernels.eager_elements
+    kernels.sums("channels_first", x, torch.zeros(3))
+    assert kernels.eager_elements == before  # the loaded package measured it
 
-    expecting = moments.Kernels()
-    expecting.sums("channels_first", x, torch.zeros(3))
-    expecting.expect(500)
-    assert expecting._thread is None
-    expecting.expect(1000)
-    expecting.wait()
-    assert compiled[2:] == [("channels_first", torch.float32, torch.float32, "cpu", False)]
+
+def test_a_package_on_disk_is_loaded_at_first_sight_whatever_the_pass(fake_compiler, monkeypatch):
+    monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
+    open(moments.package_path(KEY, torch.device("cpu")), "w").close()
+    kernels = moments.Kernels()
+    kernels.sums("channels_first", torch.randn(4, 3, 8), torch.zeros(3))
+    assert [(what, key) for what, key, _ in fake_compiler] == [("load", KEY)] and kernels.eager_elements == 0
+    assert not kernels.compiled
 
 
-def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypatch, caplog):
+def test_always_compiles_at_first_sight(fake_compiler, monkeypatch):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
-    if not hasattr(torch, "compile"):
-        return _without_torch_compile(caplog)
+    kernels = moments.Kernels()
+    kernels.sums("channels_last", torch.randn(1, 4, 3), torch.zeros(3, dtype=torch.float64))
+    key = ("channels_last", torch.float32, torch.float64, "cpu")
+    assert [(what, k) for what, k, _ in fake_compiler] == [("compile", key), ("load", key)]
+    assert kernels.compiled == [key]
+
+
+def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
+    monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
+    if moments._aoti() is None:
+        return _without_aoti(caplog)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(moments.torch._inductor, "aoti_compile_and_package", broken)
     kernels = moments.Kernels()
     x = torch.randn(4, 3, 8)
     with caplog.at_level(logging.WARNING, logger="precise_bn"):
         for form in ("channels_first", "channels_last"):
             kernels.sums(form, x, torch.zeros(x.shape[1 if form == "channels_first" else 2]))
-        kernels.wait()
         stats, _ = kernels.sums("channels_first", x, torch.zeros(3))
     assert not kernels.ready and len(kernels.failures) == 2
-    lines = [r.getMessage() for r in caplog.records if "eager" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records]
     assert lines == ["precise-bn: float64 sums run as eager operators (the same numbers, slower): compiling "
                      "them failed: RuntimeError: no C++ compiler found"]
+    assert list(tmp_path.iterdir()) == []  # no partial package left behind
     _assert_exact(stats, x.view(4, 3, 8), "after the failure")
 
 
-def _without_torch_compile(caplog):
-    """torch 1.10: one line says why, and the eager sums measure."""
+def _without_aoti(caplog):
+    """torch 1.10: short passes stay eager silently; a pass long enough to pay says why, once."""
     kernels = moments.Kernels()
     x = torch.randn(4, 3, 8)
     with caplog.at_level(logging.WARNING, logger="precise_bn"):
         stats, _ = kernels.sums("channels_first", x, torch.zeros(3))
-        kernels.sums("channels_first", x, torch.zeros(3))
-    assert kernels.failures == ["this torch ({}) has no torch.compile".format(torch.__version__)]
-    assert [r.getMessage() for r in caplog.records if "eager" in r.getMessage()] == [
+        assert not caplog.records
+        kernels.expect(10 ** 15)
+        kernels.expect(10 ** 15)
+    assert kernels.failures == ["RuntimeError: this torch ({}) has no AOTInductor (torch 2.6 or later)".format(
+        torch.__version__)]
+    assert [r.getMessage() for r in caplog.records] == [
         "precise-bn: float64 sums run as eager operators (the same numbers, slower): compiling them failed: "
         + kernels.failures[0]]
-    _assert_exact(stats, x, "without torch.compile")
+    _assert_exact(stats, x, "without AOTInductor")
+
+
+def test_an_interrupted_compile_leaves_no_file_and_the_model_as_it_was(monkeypatch, tmp_path):
+    monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
+    monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
+    monkeypatch.setattr(moments, "_aoti", lambda: types.SimpleNamespace(aoti_compile_and_package=interrupted))
+    monkeypatch.setattr(moments, "KERNELS", moments.Kernels())
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(KeyboardInterrupt):
+        recompute(model, [torch.randn(2, 3, 6, 6)], progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model[1]) is nn.BatchNorm2d and list(tmp_path.iterdir()) == []
+
+
+def interrupted(program, package_path, inductor_configs):
+    with open(package_path, "wb") as partial:
+        partial.write(b"half a package")
+    raise KeyboardInterrupt
+
+
+needs_aoti = pytest.mark.skipif(moments._aoti() is None, reason="AOTInductor came with torch 2.6")
+#: What the compiled tests compile: every form, for the dtypes a model's activations have and the
+#: shift dtypes its buffers have.
+COMPILED = [(form, dtype, shift_dtype, "cpu") for form in moments.FORM_NAMES
+            for dtype, shift_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                       (torch.float16, torch.float32), (torch.float64, torch.float64))]
 
 
 @pytest.fixture(scope="module")
 def compiled_kernels():
-    """A Kernels object with every form of ``_inputs()`` compiled (tens of seconds on a cold cache)."""
-    with pytest.MonkeyPatch.context() as patch, torch.no_grad():  # as in a pass
-        patch.setenv("PRECISE_BN_COMPILE", "always")
+    """A Kernels object with the forms of COMPILED compiled (a minute or two on a cold cache),
+    kept in the run's cache (tests/conftest.py), where the benchmarks' quick runs find them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PRECISE_BN_COMPILE", "auto")
         kernels = moments.Kernels()
-        for x in _inputs():
-            form, view = moments.view_for_sums(x)
-            for shift in _shifts(x).values():
-                kernels.sums(form, view, shift)
-            kernels.sums(form, view, torch.zeros(x.shape[1], dtype=torch.float64))
-        kernels.wait()
-    return kernels
+        kernels.cache = os.environ["PRECISE_BN_CACHE"]
+        for key in COMPILED:
+            kernels.compile_ahead([key], torch.device("cpu"))
+        yield kernels
 
 
-@needs_compile
-@torch.no_grad()
+@needs_aoti
 def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kernels, monkeypatch):
     assert not compiled_kernels.failures, compiled_kernels.failures
-    assert compiled_kernels._thread is not None and compiled_kernels._thread.name == "precise-bn compile"
+    assert sorted(compiled_kernels.ready, key=str) == sorted([k[:3] + (torch.device("cpu"),) for k in COMPILED], key=str)
     monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
+    tried = 0
     for x in _inputs():
         form, view = moments.view_for_sums(x)
         for name, shift in _shifts(x).items():
-            key = (form, view.dtype, shift.dtype, "cpu", False)
-            assert key in compiled_kernels.ready, key
-            run, state = compiled_kernels.ready[key]
-            assert state.matches()
-            got, far = run(view, shift)
+            run = compiled_kernels.ready.get((form, view.dtype, shift.dtype, x.device))
+            if run is None:
+                continue
+            tried += 1
+            got, far = run([view, shift])
             want, far_eager = moments._eager(form, view, shift)
-            assert bool(far) == bool(far_eager), (key, name)
+            assert bool(far) == bool(far_eager), (form, view.dtype, name)
             if not far:  # around a far shift both cancel, differently, and are measured again
                 torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)
+            before = compiled_kernels.eager_elements
             _assert_exact(moments.measure(x, shift), x, "compiled {} {} shift {}".format(tuple(x.shape), x.dtype, name))
+            assert compiled_kernels.eager_elements - before in (0, view.numel())  # only a far shift again
+    assert tried >= 50
 
 
-@needs_compile
+@needs_aoti
+def test_the_compiled_sums_do_not_depend_on_the_callers_state(compiled_kernels, monkeypatch):
+    """Autocast, grad mode, deterministic mode and thread count: the package runs as compiled."""
+    monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
+    x = torch.randn(6, 4, 5, 5) * 3 + 1e3
+    want = moments._eager("channels_first", x.view(6, 4, -1), torch.full((4,), 1e3))[0]
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.set_num_threads(2)
+        torch.use_deterministic_algorithms(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
+            before = compiled_kernels.eager_elements
+            got = moments.measure(x.requires_grad_(), torch.full((4,), 1e3))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+    assert compiled_kernels.eager_elements == before
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@needs_aoti
 def test_a_pass_with_compiled_sums_writes_the_float64_statistics(compiled_kernels, monkeypatch):
     monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
     gen = torch.Generator().manual_seed(3)
@@ -201,17 +294,37 @@ def test_a_pass_with_compiled_sums_writes_the_float64_statistics(compiled_kernel
             for _ in range(6)]
     reference = float64_reference(model, data)
     eager_before = compiled_kernels.eager_elements
+    threads_before = set(threading.enumerate())
     recompute(model, data, progress=False)
     assert compiled_kernels.eager_elements == eager_before  # every call went through the compiled loop
-    with torch.enable_grad():  # another state than the one compiled for: the eager sums, not a new compile
-        moments.measure(data[0], torch.zeros(3))
-    assert compiled_kernels.eager_elements > eager_before
+    assert set(threading.enumerate()) <= threads_before  # nothing of ours left running
     for name in ("1", "4"):
         layer = model.get_submodule(name)
         assert_close_exact(layer.running_mean, layer.running_var, *reference[name][:2], name)
 
 
-def test_data_parallel_threads_measure_while_the_compile_thread_works():
+@needs_aoti
+def test_a_fresh_process_loads_the_package_and_leaves_nothing_running(compiled_kernels):
+    """A package compiled by one process is loaded by the next, which leaves no thread of its own."""
+    script = textwrap.dedent("""
+        import threading, torch
+        from torch import nn
+        from precise_bn import moments, recompute
+        torch.set_num_threads(1)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        before = set(threading.enumerate())
+        recompute(model, [torch.randn(2, 3, 8, 8) for _ in range(3)], progress=False)
+        print(sorted(str(where[1]) for where in moments.KERNELS.ready), moments.KERNELS.eager_elements,
+              moments.KERNELS.compiled, len(set(threading.enumerate()) - before))
+    """)
+    env = dict(os.environ, PRECISE_BN_COMPILE="auto", PRECISE_BN_CACHE=compiled_kernels.cache)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['torch.float32']", "0", "[]", "0"], done.stdout
+    assert "Warning" not in done.stderr and "compiled" not in done.stderr, done.stderr
+
+
+def test_threads_measure_the_same_layer_form_at_once():
     """The eager sums are thread-safe: replicas in threads share nothing but the thread-local scratch."""
     x = torch.randn(16, 8, 6, 6) + 5
     results = [None] * 4

@@ -4,8 +4,9 @@ Each chosen layer's class is swapped for a subclass of the same name whose ``for
 call to the layer's :class:`CallCapture`: the layer computes as usual, with ``momentum = 1`` and
 a per-layer slot as running buffers (its own buffers are never written during the pass), then
 its input is measured in float64 around the batch mean the slot received
-(:func:`precise_bn.moments.measure`). Calls wait in a per-layer block merged into the layer's
-:class:`~precise_bn.estimator.PopulationStats` in one vectorised step. SyncBatchNorm runs as
+(:func:`precise_bn.moments.measure`). Calls wait in a per-layer block; between batches the full
+blocks of every layer are merged into their :class:`~precise_bn.estimator.PopulationStats`
+together, in one vectorised step (:func:`merge_due`). SyncBatchNorm runs as
 plain BN: each rank's batch alone, merged at the end (no per-call collective to pair up or
 hang). Why: ``docs/numerics.md`` ("One call"), ``docs/distributed.md``.
 """
@@ -70,18 +71,21 @@ def _capturing_class(cls: type) -> type:
 
 class _Block:
     """The float64 ``(2, C)`` mean and variance of each pending call of a layer on one device,
-    and their element counts."""
+    with its element count: one list of pairs, so that threads appending to it (DataParallel's
+    replicas) never pair one call's result with another's count."""
 
     def __init__(self) -> None:
-        self.results: List[torch.Tensor] = []
-        self.counts: List[int] = []
+        self.calls: List[Tuple[torch.Tensor, int]] = []
 
-    def pending(self) -> torch.Tensor:
-        """``(2, calls, C)``: the means and variances of the calls not merged yet."""
-        return torch.stack(self.results, dim=1)
+    @property
+    def counts(self) -> List[int]:
+        return [n for _, n in self.calls]
 
-    def clear(self) -> None:
-        self.results, self.counts = [], []
+    def take(self) -> Tuple[torch.Tensor, List[int]]:
+        """``(2, calls, C)`` means and variances of the pending calls, and their counts; the
+        block is left empty (calls appended meanwhile stay for the next merge)."""
+        calls, self.calls = self.calls, []
+        return torch.stack([stats for stats, _ in calls], dim=1), [n for _, n in calls]
 
 
 # Each batch_norm's positional arguments, as far as the ones read here.
@@ -113,8 +117,10 @@ class _Slot(torch.Tensor):
 class CallCapture:
     """Collects every call of one BN layer into ``stats`` (see the module docstring).
 
-    Thread-safe: ``nn.DataParallel`` runs the replicas of a layer in threads. A lock held for
-    the call keeps one writer per block; blocks and slots are kept per device.
+    Thread-safe where threads share a layer: ``nn.DataParallel`` runs its replicas in threads,
+    one device each, and slots and blocks are kept per device, so a plain layer's call takes no
+    lock (a block is one list, appended a pair at a time). A subclass's call is recorded on its
+    slot, and holds the lock; so do merges.
     """
 
     def __init__(self, stats: PopulationStats, block_calls: Optional[int] = None):
@@ -167,41 +173,38 @@ class CallCapture:
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
     ) -> Any:
-        with self._lock:
+        if direct and not args and not kwargs:
+            mean, var = self._slots.get(x.device) or self._slot_for(x.device, module.running_mean)
+            module._check_input_dim(x)
+            out = F.batch_norm(x, mean, var, module.weight, module.bias, True, 1.0, module.eps)
+            self._add(x, mean)
+            return out
+        with self._lock:  # a subclass's calls are recorded on the slot, one per device
             mean, var = self._slot_for(x.device, module.running_mean)
-            if direct and not args and not kwargs:
-                module._check_input_dim(x)
-                out = F.batch_norm(x, mean, var, module.weight, module.bias, True, 1.0, module.eps)
-                shift: Optional[torch.Tensor] = mean
-                self._add(x, mean)
-            else:
-                assert isinstance(mean, _Slot)
-                self._point_at(module, mean, var)
-                mean.seen = []
-                out = forward(module, x, *args, **kwargs)
-                for normalised in mean.seen or [x]:
-                    self._add(normalised, None)
-                mean.seen = []
+            assert isinstance(mean, _Slot)
+            self._point_at(module, mean, var)
+            mean.seen = []
+            out = forward(module, x, *args, **kwargs)
+            for normalised in mean.seen or [x]:
+                self._add(normalised, None)
+            mean.seen = []
             return out
 
     def _add(self, x: torch.Tensor, shift: Optional[torch.Tensor]) -> None:
         """Measure one call's input ``x`` around ``shift`` (None: its own mean, in at least
-        float32) into the block."""
-        n = x.numel() // max(x.shape[1], 1)
+        float32) into the block of its device."""
+        channels = x.shape[1] if x.dim() > 1 else 0
+        n = x.numel() // channels if channels else 0
         if not n:
             return
-        x = x.detach()
+        if x.requires_grad:
+            x = x.detach()
         if shift is None:
             dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
             shift = x.mean([d for d in range(x.dim()) if d != 1], dtype=dtype)
-        block = self._blocks.get(x.device)
-        if block is None:
-            block = self._blocks[x.device] = _Block()
-        block.results.append(measure(x, shift))
-        block.counts.append(n)
-        self.elements += n * x.shape[1]
-        if len(block.counts) == self.block_calls:
-            self._merge(block)
+        block = self._blocks.get(x.device) or self._blocks.setdefault(x.device, _Block())
+        block.calls.append((measure(x, shift), n))
+        self.elements += n * channels
 
     @staticmethod
     def _point_at(module: _BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:
@@ -215,11 +218,14 @@ class CallCapture:
         module.training = True
 
     def _merge(self, block: _Block) -> None:
-        if block.counts:
-            pending = block.pending()
+        if block.calls:
+            pending, counts = block.take()
             center = self.stats.center_for(pending[0, 0])
-            self.stats.add(combine_calls(pending[0], pending[1], block.counts, center))
-            block.clear()
+            self.stats.add(combine_calls(pending[0], pending[1], counts, center))
+
+    def due(self) -> bool:
+        """Whether a block holds :attr:`block_calls` calls or more."""
+        return any(len(block.calls) >= self.block_calls for block in self._blocks.values())
 
     def flush(self) -> PopulationStats:
         """Merge every pending call; returns the layer's stats."""
@@ -231,11 +237,19 @@ class CallCapture:
     def _uniform_pending(self) -> Optional[_Block]:
         """The one block with pending calls, if they can join a merge of many layers: no other
         block pending, and every pending call with the same element count."""
-        pending = [block for block in self._blocks.values() if block.counts]
+        pending = [block for block in self._blocks.values() if block.calls]
         if len(pending) != 1:
             return None
         counts = pending[0].counts
         return pending[0] if counts.count(counts[0]) == len(counts) else None
+
+
+def merge_due(captures: Sequence[CallCapture]) -> None:
+    """Merge the blocks of the layers whose blocks are full, together (:func:`flush`): called
+    between batches, so that a pass holds at most a block and a batch of calls per layer."""
+    due = [capture for capture in captures if capture.due()]
+    if due:
+        flush(due)
 
 
 def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
@@ -254,15 +268,14 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
         if block is None:
             capture.flush()
         else:
-            key = (block.results[0].device, len(block.counts), block.counts[0])
+            key = (block.calls[0][0].device, len(block.calls), block.calls[0][1])
             groups.setdefault(key, []).append((capture, block))
-    for (_, calls, n), members in groups.items():
-        parts = [block.pending() for _, block in members]
-        pending = torch.cat(parts, dim=2)
-        center = torch.cat([capture.stats.center_for(part[0, 0]) for (capture, _), part in zip(members, parts)])
-        combined = combine_calls(pending[0], pending[1], [n] * calls, center)
-        widths = [part.shape[2] for part in parts]
-        for (capture, block), group in zip(members, combined.split(widths)):
+    for members in groups.values():
+        taken = [block.take() for _, block in members]
+        pending = torch.cat([part for part, _ in taken], dim=2)
+        center = torch.cat([capture.stats.center_for(part[0, 0]) for (capture, _), (part, _) in zip(members, taken)])
+        combined = combine_calls(pending[0], pending[1], taken[0][1], center)
+        widths = [part.shape[2] for part, _ in taken]
+        for (capture, _), group in zip(members, combined.split(widths)):
             capture.stats.add(group)
-            block.clear()
     return [capture.stats for capture in captures]
