@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import driver
-from .data import move_to_device, whole_batch_forward
+from .data import DEFAULT_ITERS, move_to_device, whole_batch_forward
 from .options import (DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec,
                       Options, as_device, check_names)
 from .pytorch.bn_pass import BNPass
@@ -97,7 +97,7 @@ def recompute(
 def update_bn_stats(
     model: nn.Module,
     data_loader: Iterable[Any],
-    num_iters: Optional[int] = 200,
+    num_iters: Optional[int] = DEFAULT_ITERS,
     progress: Any = None,
     **options: Any,
 ) -> BNReport:
@@ -157,8 +157,12 @@ def check(
     A layer is stale when some channel's stored mean or variance differs from the measured one
     by more than ``tolerance`` (``(mean in std units, variance relative)``) and by more than
     sampling explains, at a family-wise false-alarm level ``alpha`` over every channel of the
-    model (:mod:`precise_bn.staleness`, docs/check.md). ``report.stale`` names the stale layers
-    (empty when every layer fits); ``print(report)`` shows the drifts and their significance.
+    model (:mod:`precise_bn.staleness`, docs/check.md). ``report.verdict`` is ``"fits"``,
+    ``"stale"`` (``report.stale`` names the layers) or ``"untested"``: the data could not test
+    some channel (too few of them, as each layer needs :data:`~precise_bn.staleness.MIN_CALLS`
+    calls, or standard errors that cannot be trusted), which is no verdict: gate on
+    ``report.fits``, not on an empty ``report.stale``. ``print(report)`` shows the drifts and
+    their significance.
     """
     rule = Rule(tolerance, alpha)
     if "prior" in options:

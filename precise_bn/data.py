@@ -100,6 +100,16 @@ def count_samples(batch: Any) -> int:
     return 1
 
 
+class DefaultBudget(int):
+    """A batch budget the caller did not choose: the default of an entry point's argument. It is
+    the same number in every way; a pass its data cuts short then says the budget was a default
+    (a user who never asked for 200 batches is not told that they were asked for)."""
+
+
+#: fvcore's default ``num_iters``, the batches ``update_bn_stats`` and the command read without a budget.
+DEFAULT_ITERS = DefaultBudget(200)
+
+
 def planned_batches(data: Iterable[Any], num_batches: Optional[int]) -> Optional[int]:
     """How many batches a pass will read, when that is known before it starts: the budget,
     capped by the data's length when it has one. None when neither is known."""

@@ -27,7 +27,6 @@ from .options import DEFAULT_TIMEOUT, Options
 ACTIVE, DONE, FAILED = 0, 1, 2
 #: The rounds' tags, in the order a call plays them; ``abort`` answers any round.
 ROUNDS = ("start", "pass", "end", "abort")
-_HEADER = 6
 #: The options every rank of a call must share: they shape the result or the rounds.
 AGREED_OPTIONS = ("num_batches", "num_samples", "rtol", "min_batches", "unbiased", "exact", "prior", "sync",
                   "autocast")
@@ -123,18 +122,19 @@ def channel_for(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Channel:
         # NCCL's watchdog would end the process
         backend = "gloo" if dist.is_gloo_available() and dist.get_backend() != "mpi" else None
         try:
-            channel = Channel(dist.new_group(timeout=_group_timeout(timeout), backend=backend), own=True)
+            channel = Channel(dist.new_group(timeout=group_timeout(timeout), backend=backend), own=True)
         except RuntimeError as exc:
             raise _gave_up(get_rank(), "creation of precise-bn's process group", timeout, exc) from exc
     elif channel is None:
         channel = Channel(group, own=False)
     elif channel.own and hasattr(dist, "set_timeout"):  # older torch: the timeout it was made with
-        dist.set_timeout(_group_timeout(timeout), channel.group)
+        dist.set_timeout(group_timeout(timeout), channel.group)
     _channels[key] = channel
     return channel
 
 
-def _group_timeout(seconds: float) -> datetime.timedelta:
+def group_timeout(seconds: float) -> datetime.timedelta:
+    """``seconds`` as a process group's timeout (a duration, :data:`NO_LIMIT_S` for no limit)."""
     return wait_limit(seconds) or datetime.timedelta(seconds=NO_LIMIT_S)
 
 
@@ -200,7 +200,6 @@ class Ranks:
 
     def __init__(self, enabled: bool, group: Any = None, timeout: float = DEFAULT_TIMEOUT):
         self.world = get_world_size(group) if enabled else 1
-        self.group = group
         self.timeout = timeout
         self.finished = self.world == 1
         self.received = 0
@@ -237,21 +236,19 @@ class Ranks:
     def exchange(self, status: int, batches: int = 0, samples: int = 0, round_: str = "pass",
                  fingerprint_: int = 0) -> List[Header]:
         """One round of headers; returns every rank's, in rank order."""
-        tag = ROUNDS.index(round_)
-        if self.world == 1:
-            return [Header(status, batches, samples, fingerprint_, tag)]
-        assert self.channel is not None
-        seq = self.channel.seq
+        mine = Header(status, batches, samples, fingerprint_, ROUNDS.index(round_))
+        if self.channel is None:  # one process
+            return [mine]
+        mine = mine._replace(seq=self.channel.seq)
         self.channel.seq += 1
-        mine = torch.tensor([status, batches, samples, fingerprint_, tag, seq], dtype=torch.float64)
-        assert mine.numel() == _HEADER
-        headers = [Header(*map(int, part.tolist())) for part in self._gather(mine, "exchange of status")]
+        sent = torch.tensor(mine, dtype=torch.float64)
+        headers = [Header(*map(int, part.tolist())) for part in self._gather(sent, "exchange of status")]
         failed = [rank for rank, h in enumerate(headers) if h.status == FAILED]
         if failed:
             self.finished = True
             raise DistributedError(
                 "rank(s) {} failed (their own error says why); no rank changed its model".format(failed))
-        astray = [(rank, h) for rank, h in enumerate(headers) if (h.tag, h.seq) != (tag, seq)]
+        astray = [(rank, h) for rank, h in enumerate(headers) if (h.tag, h.seq) != (mine.tag, mine.seq)]
         if astray:
             self.finished = True
             forget_channel(self.channel)
@@ -259,7 +256,7 @@ class Ranks:
             raise DistributedError(
                 "ranks out of step: rank {} is at round {} ({}) but rank {} sent round {} ({}); every "
                 "rank must make the same precise-bn calls with the same options, in the same "
-                "order".format(self.rank, seq, round_, rank, other.seq, _round_name(other.tag)))
+                "order".format(self.rank, mine.seq, round_, rank, other.seq, _round_name(other.tag)))
         return headers
 
     def start(self, fields: Mapping[str, str]) -> None:
@@ -317,8 +314,7 @@ class Ranks:
         if self.world == 1:
             return part.local
         mine = torch.cat([torch.zeros(0, dtype=torch.float64)] + [s.state().cpu() for s in part.stats])
-        padded = torch.zeros(part.size, dtype=torch.float64)
-        padded[: mine.numel()] = mine
+        padded = torch.nn.functional.pad(mine, (0, part.size - mine.numel()))
         return slices.join(self._gather(padded, "merge of statistics"), part.plan, [s.name for s in part.local])
 
     def abort(self) -> None:

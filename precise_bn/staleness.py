@@ -7,7 +7,10 @@ ratio), the measured standard error counted for both sides (the stored statistic
 sample of similar size). Holm's step-down over every test of the model keeps the chance of
 calling any channel off whose true drift is within the tolerance at ``alpha`` or less, however
 many channels and however they are correlated. A layer is stale when one of its channels is
-off. Derivation and measured false-alarm rates: docs/check.md.
+off. A model *fits* only when no layer is stale and the data could test every channel it
+varies, each on at least :data:`MIN_CALLS` calls; otherwise, short of a stale layer, the verdict
+is *untested*: too little data (or data whose standard errors cannot be trusted) is no evidence
+that the statistics fit. Derivation and measured false-alarm rates: docs/check.md.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import ConfigError
-from .report import BNReport, LayerReport
+from .precision import TAIL_LIMIT
+from .report import BNReport, LayerReport, counted
 
 #: Default tolerance: the mean within 5% of the std, the variance within 10% of itself (the
 #: normalised activations off by about 5% in offset and in scale).
@@ -31,6 +35,12 @@ PAIRED = math.sqrt(2.0)
 #: Degrees of freedom beyond which the test uses this many: heavier tails than the calls give,
 #: so never a false alarm more, and a bound on the continued fraction's length.
 MAX_DOF = 100000.0
+#: Calls a layer's standard errors must rest on before its channels can be said to fit: at
+#: ``MIN_CALLS - 1`` degrees of freedom a squared standard error of normal data has a relative
+#: spread ``sqrt(2 / dof)`` of TAIL_LIMIT (the precision module's bar for trusting one), and
+#: below it t's far tails, which Holm's thresholds reach, leave a test blind to large drifts
+#: (docs/check.md, "Too little data"). Fewer calls can still show a layer stale, never that it fits.
+MIN_CALLS = 1 + int(2.0 / TAIL_LIMIT ** 2)
 STATISTICS = ("mean", "var")
 
 
@@ -150,8 +160,25 @@ class LayerFit:
 
     @property
     def tested(self) -> int:
-        """Channels with at least one statistic tested."""
-        return int((~self.p["mean"].isnan() | ~self.p["var"].isnan()).sum())
+        """Channels whose mean and variance were both tested."""
+        return int(self._both_tested().sum())
+
+    def _both_tested(self) -> torch.Tensor:
+        return ~self.p["mean"].isnan() & ~self.p["var"].isnan()
+
+    @property
+    def untested(self) -> int:
+        """Channels the data could not vouch for: those with a variance on the data when the layer
+        ran fewer than :data:`MIN_CALLS` calls, else those of them not tested on both statistics
+        (standard errors that cannot be trusted, or zero). A channel without variance on the
+        data is not counted: no more of such data can test it. 0 when the layer never ran."""
+        if not self.layer.ran:
+            return 0
+        assert self.layer.new_var is not None
+        varies = self.layer.new_var > 0
+        if self.layer.calls >= MIN_CALLS:
+            varies &= ~self._both_tested()
+        return int(varies.sum())
 
     def off(self, statistic: str) -> List[int]:
         """Channels whose ``statistic`` (``"mean"`` or ``"var"``) is off."""
@@ -165,7 +192,24 @@ class LayerFit:
     def verdict(self) -> str:
         if not self.layer.ran:
             return "never ran"
-        return "stale" if self.stale else ("fits" if self.tested else "untested")
+        return "stale" if self.stale else ("untested" if self.untested else "fits")
+
+    def untested_by_reason(self) -> Dict[str, int]:
+        """How many of the :attr:`untested` channels each reason leaves untested: ``"calls"``
+        (fewer than :data:`MIN_CALLS`), a reason of :data:`~precise_bn.precision.FLAGS` or
+        ``"zero"`` (a standard error of 0), reasons without a channel left out."""
+        if not self.untested:
+            return {}
+        if self.layer.calls < MIN_CALLS:
+            return {"calls": self.untested}
+        assert self.layer.new_var is not None
+        left = (self.layer.new_var > 0) & ~self._both_tested()
+        out: Dict[str, int] = {}
+        for reason, channels in self.layer.se_reasons.items():
+            out[reason] = int(left[channels].sum())
+            left[channels] = False
+        out["zero"] = int(left.sum())
+        return {reason: count for reason, count in out.items() if count}
 
     def smallest_p(self, statistic: str) -> Optional[float]:
         p = self.p[statistic][~self.p[statistic].isnan()]
@@ -179,7 +223,8 @@ class LayerFit:
         if not p.numel() or bool(p.isnan().all()):
             return None
         p = torch.where(p.isnan(), torch.full_like(p, math.inf), p)
-        excess = torch.stack([self.drift[key] / self.stderr[key] for key in STATISTICS])
+        drift = torch.stack([self.drift[key] for key in STATISTICS])
+        excess = torch.where(drift.isinf(), drift, drift / torch.stack([self.stderr[key] for key in STATISTICS]))
         excess = torch.where(p == p.min(), excess, torch.full_like(excess, -math.inf))
         index, channel = divmod(int(excess.argmax()), p.shape[1])
         stored, measured = (self.layer.old_mean, self.layer.new_mean) if index == 0 else \
@@ -192,7 +237,8 @@ class LayerFit:
     def to_dict(self) -> Dict[str, Any]:
         worst = self.worst
         return {"name": self.name, "verdict": self.verdict, "channels": int(self.layer.old_mean.numel()),
-                "tested": self.tested, "mean_drift": self.layer.mean_drift, "var_drift": self.layer.var_drift,
+                "tested": self.tested, "untested": self.untested, "mean_drift": self.layer.mean_drift,
+                "var_drift": self.layer.var_drift,
                 "mean_p": self.smallest_p("mean"), "var_p": self.smallest_p("var"),
                 "mean_off": self.off("mean"), "var_off": self.off("var"),
                 "worst": None if worst is None else vars(worst)}
@@ -224,9 +270,11 @@ def _tests(layer: LayerReport, rule: Rule) -> Tests:
     stored = layer.old_var + layer.eps
     offset = (layer.old_mean - layer.new_mean) / scale.sqrt()
     inf = torch.full_like(scale, math.inf)  # a stored NaN or inf, or a negative variance, is off
-    mean_ok, var_ok = torch.isfinite(layer.old_mean), torch.isfinite(layer.old_var) & (stored > 0)
-    estimates = {"mean": torch.where(mean_ok, offset, inf), "var": torch.where(var_ok, (stored / scale).log(), inf)}
-    drift = {"mean": torch.where(mean_ok, offset.abs(), inf), "var": torch.where(var_ok, (stored / scale - 1).abs(), inf)}
+    ok = {"mean": torch.isfinite(layer.old_mean), "var": torch.isfinite(layer.old_var) & (stored > 0)}
+    estimates = {"mean": torch.where(ok["mean"], offset, inf),
+                 "var": torch.where(ok["var"], (stored / scale).log(), inf)}
+    drift = {"mean": torch.where(ok["mean"], offset.abs(), inf),
+             "var": torch.where(ok["var"], (stored / scale - 1).abs(), inf)}
     stderr = {"mean": PAIRED * layer.mean_stderr / scale.sqrt(), "var": PAIRED * layer.var_stderr / scale}
     mean_tol, var_tol = rule.tolerance
     bounds = {"mean": (-mean_tol, mean_tol), "var": (math.log1p(-var_tol) if var_tol < 1 else -math.inf,
@@ -239,15 +287,18 @@ def _tests(layer: LayerReport, rule: Rule) -> Tests:
         tested = trusted & (stderr[key] > 0)  # False for NaN (a single call)
         raw[key] = torch.full_like(scale, math.nan)
         raw[key][tested] = _interval_p(estimates[key][tested], *bounds[key], stderr[key][tested], dof)
+        raw[key][~ok[key]] = 0.0  # whatever the data: no sample explains it
     return drift, stderr, raw
 
 
 @dataclass
 class CheckReport:
-    """What :func:`precise_bn.check` found: ``stale`` names the layers whose stored statistics
-    do not fit; ``layers`` holds each layer's verdict, ``measured`` the measurement (a
-    :class:`~precise_bn.BNReport`: ``old_*`` stored, ``new_*`` measured). ``tests`` counts the
-    tests Holm's procedure was run over."""
+    """What :func:`precise_bn.check` found: ``verdict`` (``"fits"``, ``"stale"`` or
+    ``"untested"``: no verdict, too little data), ``stale`` the layers whose stored statistics do
+    not fit, ``untested`` the channels per layer the data could not vouch for; ``layers`` holds
+    each layer's verdict, ``measured`` the measurement (a :class:`~precise_bn.BNReport`:
+    ``old_*`` stored, ``new_*`` measured). ``tests`` counts the tests Holm's procedure was run
+    over. Gate on ``report.fits``: ``not report.stale`` also holds when nothing could be tested."""
 
     layers: List[LayerFit]
     measured: BNReport
@@ -257,6 +308,31 @@ class CheckReport:
     @property
     def stale(self) -> List[str]:
         return [fit.name for fit in self.layers if fit.stale]
+
+    @property
+    def untested(self) -> Dict[str, int]:
+        """Per layer that has any, how many channels the data could not vouch for (:attr:`LayerFit.untested`)."""
+        return {fit.name: fit.untested for fit in self.layers if fit.untested}
+
+    @property
+    def verdict(self) -> str:
+        """``"stale"`` when a layer is stale, whatever else went untested (recomputing fixes every
+        channel alike); else ``"untested"`` when some channel could not be tested, which is no
+        verdict rather than a pass; else ``"fits"``."""
+        return "stale" if self.stale else ("untested" if self.untested else "fits")
+
+    @property
+    def fits(self) -> bool:
+        """True only when the verdict is ``"fits"``: every channel the data varies was tested on
+        enough calls and none is off."""
+        return self.verdict == "fits"
+
+    def batches_needed(self) -> int:
+        """The fewest batches that give every layer with untested channels :data:`MIN_CALLS`
+        calls, at this run's calls per batch; this run's count when it read enough."""
+        read = self.measured.batches
+        return max([read] + [-(-MIN_CALLS * read // fit.layer.calls) for fit in self.layers
+                             if fit.untested and fit.layer.calls < MIN_CALLS])
 
     def __getitem__(self, name: str) -> LayerFit:
         for fit in self.layers:
@@ -268,18 +344,22 @@ class CheckReport:
         return len(self.layers)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"stale": self.stale, "tolerance": {"mean": self.rule.tolerance[0], "var": self.rule.tolerance[1]},
+        return {"verdict": self.verdict, "stale": self.stale, "untested": self.untested, "min_calls": MIN_CALLS,
+                "tolerance": {"mean": self.rule.tolerance[0], "var": self.rule.tolerance[1]},
                 "alpha": self.rule.alpha, "tests": self.tests, "definitions": dict(DEFINITIONS),
                 "layers": [fit.to_dict() for fit in self.layers], "measurement": self.measured.to_dict(True)}
 
     def summary(self) -> str:
-        m = self.measured
-        stale = self.stale
+        m, stale, untested = self.measured, self.stale, self.untested
+        verdict = "{} stale: {}".format(len(stale), ", ".join(stale)) if stale else "every layer fits"
+        if untested and not stale:
+            verdict = "no verdict: {} untested in {}".format(counted(sum(untested.values()), "channel"),
+                                                            counted(len(untested), "layer"))
         return ("precise-bn check: {} BatchNorm layer{}, {} batch{} ({} samples), world size {}; tolerance: mean "
                 "{:g} std, variance {:g} relative; alpha {:g} over {} tests (Holm); {}").format(
             len(self.layers), "" if len(self.layers) == 1 else "s", m.batches, "" if m.batches == 1 else "es",
             m.samples, m.world_size, self.rule.tolerance[0], self.rule.tolerance[1], self.rule.alpha, self.tests,
-            "{} stale: {}".format(len(stale), ", ".join(stale)) if stale else "every layer fits")
+            verdict)
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(fit.name) for fit in self.layers])
@@ -303,8 +383,10 @@ def _p_cell(value: Optional[float]) -> str:
 
 #: What the check's numbers mean; printed under its table and in its JSON report.
 DEFINITIONS = {
-    "channels_tested": "channels tested / channels: a channel with no variance on the data, or whose standard "
-                       "errors are zero or cannot be trusted (se_untrusted), is not tested",
+    "channels_tested": "channels tested / channels: a channel is tested when its layer ran at least 2 calls and "
+                       "it has a variance on the data and standard errors that are not zero and can be trusted "
+                       "(not se_untrusted); a layer is untested (no verdict, not a pass) when a channel with a "
+                       "variance is not tested, or its layer ran fewer than {} calls".format(MIN_CALLS),
     "mean_drift": "largest |stored mean - measured mean| / sqrt(measured var + eps) over the layer's channels",
     "var_drift": "largest |stored var - measured var| / (measured var + eps) over the layer's channels",
     "p": "smallest over the layer's channels of the Holm-adjusted p-value of \"the true drift is within the "

@@ -18,7 +18,7 @@ from torch import nn
 import precise_bn
 from precise_bn import BNReport, ConfigError, LayerReport, check, recompute
 from precise_bn.digits import load_digits, make_model, train
-from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, Rule, holm, judge, t_tail
+from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, MIN_CALLS, Rule, holm, judge, t_tail
 from reference import float64_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -64,7 +64,7 @@ def test_check_writes_nothing_stale_or_not_and_on_a_failure():
     fresh = copy.deepcopy(model)
     recompute(fresh, _digit_batches(2048, 2), progress=False)
     state = _state(fresh)
-    assert not check(fresh, _digit_batches(2048, 3), progress=False).stale
+    assert check(fresh, _digit_batches(2048, 3), progress=False).fits
     _assert_unchanged(fresh, state)
 
     def broken():
@@ -185,7 +185,9 @@ def test_the_rule_against_closed_form_t_and_holm_by_hand():
     assert report["single"].tested == 0 and report["single"].verdict == "untested"
     assert report["never"].verdict == "never ran" and report["never"].worst is None
     assert report["a"].off("mean") == [0] and report["a"].off("var") == [3] and report.stale == ["a"]
-    assert report["b"].verdict == "fits" and report["b"].tested == 1
+    # b's two varying channels rest on 3 calls: too few for a verdict, though one was tested
+    assert report["b"].verdict == "untested" and report["b"].tested == 1 and report["b"].untested == 2
+    assert report.untested == {"a": 4, "b": 2, "single": 1} and report.verdict == "stale" and not report.fits
     worst = report["a"].worst
     assert (worst.statistic, worst.channel) == ("mean", 0) and worst.drift == pytest.approx(0.90)
     assert worst.stored == pytest.approx(0.90) and worst.measured == 0.0 and worst.stderr == pytest.approx(se)
@@ -195,6 +197,58 @@ def test_non_finite_stored_statistics_are_stale():
     layer = _layer("a", [0.0, math.nan, 0.0], [1.0, 1.0, math.inf], calls=33)
     report = judge(BNReport(layers=[layer]), Rule())
     assert report["a"].off("mean") == [1] and report["a"].off("var") == [2] and report.stale == ["a"]
+    # no sample explains them: off after a single call too, and on a channel without variance
+    nan = torch.full((3,), math.nan, dtype=torch.float64)
+    single = _layer("s", [math.nan, 0.0, 0.0], [1.0, -1.0, math.inf], calls=1, mean_stderr=nan, var_stderr=nan,
+                    new_var=torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
+    report = judge(BNReport(layers=[single]), Rule())
+    assert report["s"].off("mean") == [0] and report["s"].off("var") == [1, 2] and report.verdict == "stale"
+    assert math.isinf(report["s"].worst.drift)
+
+
+# ----- untested channels: no verdict ---------------------------------------------------------
+
+def test_a_verdict_needs_min_calls_and_every_varying_channel_tested():
+    """Per channel, what keeps it untested, counted by reason; a channel without variance on
+    the data is neither tested nor untested; a stale layer decides the verdict."""
+    assert MIN_CALLS == 9
+    se = torch.tensor([0.01, 0.01, 0.01, 0.0, 0.01], dtype=torch.float64)
+    varies = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    layer = _layer("a", [0.0] * 5, [1.0] * 5, calls=MIN_CALLS, new_var=varies, mean_stderr=se,
+                   se_untrusted=[1, 4], se_reasons={"tails": [1], "drift": [4]})
+    report = judge(BNReport(layers=[layer], batches=MIN_CALLS), Rule())
+    fit = report["a"]
+    # channel 0 tested; 1 and 4 untrusted; 2 without variance; 3 a mean standard error of 0
+    assert fit.tested == 1 and fit.untested == 3 and fit.verdict == "untested"
+    assert fit.untested_by_reason() == {"tails": 1, "drift": 1, "zero": 1}
+    assert report.verdict == "untested" and not report.fits and report.stale == [] and report.untested == {"a": 3}
+    assert report.batches_needed() == MIN_CALLS and report.to_dict()["verdict"] == "untested"
+    assert report.summary().endswith("no verdict: 3 channels untested in 1 layer")
+
+    clean = _layer("a", [0.0, 0.0], [1.0, 1.0], calls=MIN_CALLS, new_var=torch.tensor([1.0, 0.0], dtype=torch.float64))
+    report = judge(BNReport(layers=[clean]), Rule())
+    assert report.verdict == "fits" and report.fits and report["a"].tested == 1 and report["a"].untested == 0
+    assert report.summary().endswith("every layer fits")
+
+    stale = _layer("b", [0.9], [1.0], calls=MIN_CALLS)
+    report = judge(BNReport(layers=[layer, stale]), Rule())
+    assert report.verdict == "stale" and report.stale == ["b"] and report.untested == {"a": 3}
+
+
+@pytest.mark.parametrize("calls, batches", [(1, 1), (2, 1), (8, 4), (6, 6), (MIN_CALLS - 1, MIN_CALLS - 1)])
+def test_too_few_calls_leave_every_varying_channel_untested(calls, batches):
+    """Fewer than MIN_CALLS calls: every channel with a variance is untested, tested or not; the
+    batches needed are the fewest that reach MIN_CALLS calls at the run's calls per batch."""
+    nan = torch.full((3,), math.nan, dtype=torch.float64)
+    se = {} if calls > 1 else {"mean_stderr": nan, "var_stderr": nan}
+    varies = torch.tensor([1.0, 2.0, 0.0], dtype=torch.float64)
+    layer = _layer("a", [0.0] * 3, [1.0, 2.0, 1.0], calls=calls, new_var=varies, **se)
+    report = judge(BNReport(layers=[layer], batches=batches), Rule())
+    assert report["a"].tested == (0 if calls == 1 else 2)
+    assert report.untested == {"a": 2} and report["a"].untested_by_reason() == {"calls": 2}
+    assert report.verdict == "untested" and not report.fits
+    per_batch = calls / batches
+    assert report.batches_needed() == next(b for b in range(1, 100) if b * per_batch >= MIN_CALLS)
 
 
 def test_worst_breaks_ties_in_p_by_the_largest_excess():
@@ -264,6 +318,26 @@ def test_holm_matches_the_step_down_procedure():
             rejected.add(index)
         assert {i for i in range(len(p)) if float(adjusted[i]) <= alpha} == rejected, alpha
     assert holm(torch.zeros(0, dtype=torch.float64)).numel() == 0
+
+
+def test_one_batch_gives_no_verdict_even_on_variances_40_times_too_large():
+    """The case a gate must not pass: one batch tests nothing (Student's t needs two calls), so
+    the verdict is untested, every channel with a variance on that batch counted (by a float64
+    reference), not "fits"; 12 batches of the same data show every layer stale."""
+    batches = list(load_digits()[0].split(32))
+    model = _digits_model()
+    recompute(model, batches, progress=False)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.running_var.mul_(40)
+    one = check(model, batches, num_batches=1, progress=False)
+    assert one.verdict == "untested" and not one.fits and one.stale == [] and one.tests == 0
+    reference = float64_reference(model, batches[:1])
+    assert one.untested == {name: int((var > 0).sum()) for name, (_, var, _) in reference.items()}
+    assert sorted(one.untested) == sorted(study.BN_LAYERS)
+    assert one.batches_needed() == MIN_CALLS and "no verdict" in one.summary()
+    assert [layer["verdict"] for layer in one.to_dict()["layers"]] == ["untested"] * 4
+    assert check(model, batches, num_batches=12, progress=False).stale == list(study.BN_LAYERS)
 
 
 # ----- measured behaviour on the demo's CNN ---------------------------------------------------

@@ -145,7 +145,7 @@ def test_specs_without_a_scheme_suggest_one(ckpt, tmp_path, capsys):
     ]
     for args, needle in cases:
         result = run_cli(capsys, "recompute", path, *args, "-q", *TRUST)
-        assert result.returncode == 1 and needle in result.stderr, result.stderr
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
 
 
 @pytest.mark.main_env

@@ -244,3 +244,53 @@ def test_a_bad_option_value_is_a_usage_error_naming_the_flag(ckpt, capsys, flag,
     assert result.returncode == 2 and last.startswith("precise-bn recompute: error: argument {}: ".format(flag)), last
     assert says in last and factories.READ["batches"] == 0
     assert "None" not in last  # a command line has no None
+
+
+@pytest.mark.parametrize("sub, output", [("recompute", "--output"), ("check", "--report")])
+def test_a_malformed_spec_is_a_usage_error_before_any_file_is_looked_at(ckpt, tmp_path, capsys, sub, output):
+    """Exit 2 with the spec's one line and hint, in the same run as an output that exists (which
+    would be refused too): nothing read, nothing written."""
+    existing = tmp_path / "out"
+    existing.write_bytes(b"work")
+    (tmp_path / "imgs").mkdir()
+    cases = [
+        (["--model", "build", "--data", "factories:counted_batches"],
+         "--model 'build': expected package.module:callable, torchvision:NAME or timm:NAME"),
+        (["--model", "factories:small_net", "--data", str(tmp_path / "imgs")],
+         "--data {!r}: expected package.module:callable, imagefolder:DIR or npz:FILE[:KEY]; did you mean "
+         "imagefolder:{}?".format(str(tmp_path / "imgs"), tmp_path / "imgs")),
+        (["--model", "factories:small_net", "--data", "npz:"], "--data 'npz:': expected package.module:callable"),
+        (["--model", "factories:small_net", "--data", "factories:counted_batches", "--augment"],
+         "--augment: only imagefolder: data have built-in augmentation"),
+        (["--model", "factories:small_net", "--data", "factories:counted_batches", "--forward-fn", "image_forward"],
+         "--forward-fn 'image_forward': expected 'package.module:name'"),
+        (["--model", "factories:small_net", "--data", "factories:counted_batches", "--caffe2-rules", "rules"],
+         "--caffe2-rules 'rules': expected 'package.module:name'"),
+    ]
+    for args, says in cases:
+        factories.READ["batches"] = 0
+        result = run_cli(capsys, sub, ckpt, *args, output, existing, *TRUST)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and lines[0].startswith("usage: precise-bn {}".format(sub)), result
+        assert lines[-1].startswith("precise-bn {}: error: {}".format(sub, says)), lines[-1]
+        assert "refusing" not in result.stderr and factories.READ["batches"] == 0
+    assert existing.read_bytes() == b"work"
+
+
+@pytest.mark.parametrize("sub", ["inspect", "convert"])
+def test_a_malformed_rules_spec_is_a_usage_error_of_inspect_and_convert(ckpt, tmp_path, capsys, sub):
+    args = [ckpt, tmp_path / "out.pkl"] if sub == "convert" else [ckpt]
+    result = run_cli(capsys, sub, *args, "--caffe2-rules", "rules", *TRUST)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last == "precise-bn {}: error: --caffe2-rules 'rules': expected " \
+        "'package.module:name'".format(sub), result
+    assert not (tmp_path / "out.pkl").exists()
+
+
+def test_a_short_pass_of_the_commands_default_budget_says_it_was_the_default(ckpt, tmp_path, capsys):
+    result = run_cli(capsys, "recompute", ckpt, *FACTORIES, "--output", tmp_path / "out.pt", "-q", *TRUST)
+    assert result.returncode == 0, result.stderr
+    assert "the data ran out after 5 batches, before the default --num-batches=200" in result.stderr
+    result = run_cli(capsys, "recompute", ckpt, *FACTORIES, "--num-batches", "200", "--output", tmp_path / "o2.pt",
+                     "-q", *TRUST)
+    assert "the data ran out after 5 batches; --num-batches=200 was asked for" in result.stderr, result.stderr

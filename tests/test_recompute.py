@@ -16,6 +16,7 @@ from precise_bn import (
     PreciseBNWarning,
     get_bn_modules,
     update_bn,
+    update_bn_stats,
     recompute,
 )
 from reference import assert_close_exact, float64_reference
@@ -277,6 +278,25 @@ def test_num_samples_budget_and_short_loader_warning():
         recompute(model, batches, num_samples=100)
     with pytest.raises(ConfigError, match="num_batches"):
         recompute(model, batches, num_batches=0)
+
+
+def test_a_short_loader_says_whether_its_budget_was_asked_for_or_a_default():
+    """fvcore's ``update_bn_stats(model, loader)`` reads up to 200 batches by default: a loader of
+    one batch is told it fell short of the default, naming the argument, not of a budget the
+    caller never gave; a budget given, even 200, was asked for."""
+    model = BNOnly(nn.BatchNorm2d(C))
+    one = make_batches([(4, C, 2, 2)], huge=False)
+    for call, says in [
+        (lambda: update_bn_stats(model, one), "after 1 batch, before the default num_iters=200 (num_iters was not "
+                                              "given: pass it to set the budget)"),
+        (lambda: update_bn_stats(model, one, num_iters=200), "after 1 batch; num_iters=200 was asked for"),
+        (lambda: recompute(model, one, num_batches=200), "after 1 batch; num_batches=200 was asked for"),
+    ]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        short = [str(w.message) for w in caught if "ran out" in str(w.message)]
+        assert len(short) == 1 and short[0] == "the data ran out " + says, short
 
 
 def test_stop_names_what_ran_out():

@@ -8,14 +8,14 @@
 
 Exit status: 0 on success, 2 on a usage error, 1 on a failure, shown as one line that names the
 file, key, layer or argument at fault (``--debug`` adds the traceback), or when ``check`` finds a
-stale layer; 130 after Ctrl-C, 143 after SIGTERM. Under ``torchrun`` every rank measures its
-shard, the stats are merged exactly, and rank 0 alone writes.
+stale layer (2 when its data could not test every channel); 130 after Ctrl-C, 143 after SIGTERM.
+Under ``torchrun`` every rank measures its shard, the stats are merged exactly, and rank 0 alone
+writes.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import logging
 import os
 import sys
@@ -30,7 +30,7 @@ from ..data import input_key_forward
 from ..options import ForwardFn, Options
 from ..signals import Terminated, relayed
 from . import convert, inspect_cmd
-from .check import check_checkpoint, verdict_lines
+from .check import EXIT_STATUS, check_checkpoint, verdict_lines
 from .demo import run_demo
 from .failures import one_line
 from .job import recompute_checkpoint
@@ -93,7 +93,7 @@ def _check(args: argparse.Namespace) -> int:
             print(report.summary() if args.quiet else report)  # -q: the verdict without the table
             for line in verdict_lines(report, args):
                 print(line)
-    return 1 if report.stale else 0
+    return EXIT_STATUS[report.verdict]
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -116,8 +116,8 @@ def _init_distributed(device: Optional[str], timeout: float) -> bool:
         return False
     import torch.distributed as dist
 
-    limit = distributed.wait_limit(timeout) or datetime.timedelta(seconds=distributed.NO_LIMIT_S)
-    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo", timeout=limit)
+    dist.init_process_group("nccl" if device and device.startswith("cuda") else "gloo",
+                            timeout=distributed.group_timeout(timeout))
     return True
 
 

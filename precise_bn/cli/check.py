@@ -1,9 +1,12 @@
-"""``precise-bn check``: do a checkpoint's BN statistics fit the data? Exit 0 if so, 1 if not.
+"""``precise-bn check``: do a checkpoint's BN statistics fit the data? Exit 0 if so, 1 if not,
+2 if the data could not tell (channels untested: too few batches, or standard errors that cannot
+be trusted), as a usage error does: in both cases the command gave no verdict.
 
 The checkpoint is read, matched to its model and measured exactly as ``recompute`` does (the
 same code, :func:`~precise_bn.cli.job.open_job`), but nothing is written except the optional
 JSON report. A stale layer is named with its worst channel's figures, followed by the
-``recompute`` command, with the same model, data and reading flags, that fixes it.
+``recompute`` command, with the same model, data and reading flags, that fixes it; untested
+channels are counted per layer in one line that says what data would test them.
 """
 from __future__ import annotations
 
@@ -11,17 +14,22 @@ import argparse
 import json
 import logging
 import shlex
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
 from .. import distributed
 from ..checkpoint.serializers import write_file
-from ..staleness import CheckReport, Rule, judge
+from ..precision import FLAGS
+from ..report import counted
+from ..staleness import MIN_CALLS, CheckReport, Rule, judge
 from .job import measure, open_job
 from .parser import shared_actions
 
 logger = logging.getLogger("precise_bn")
+
+#: The command's exit status for each verdict of :attr:`~precise_bn.CheckReport.verdict`.
+EXIT_STATUS = {"fits": 0, "stale": 1, "untested": 2}
 
 
 def check_checkpoint(
@@ -72,8 +80,33 @@ def fix_command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(str(word)) for word in words)
 
 
+def untested_line(report: CheckReport) -> str:
+    """How many channels of which layers could not be tested, and what data would test them: the
+    batches that give each layer :data:`~precise_bn.staleness.MIN_CALLS` calls, or, for standard
+    errors that cannot be used, more batches, independent and shuffled."""
+    reasons: Dict[str, int] = {}
+    for fit in report.layers:
+        for reason, count in fit.untested_by_reason().items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    read, needs = report.measured.batches, []
+    if "calls" in reasons:
+        needs.append("too few calls ({}): a verdict needs at least {} ({} calls of each layer); this run read "
+                     "{}".format(reasons.pop("calls"), counted(report.batches_needed(), "batch", "batches"),
+                                 MIN_CALLS, read))
+    if reasons:
+        why = ", ".join("{} {}".format(FLAGS[r][0] if r in FLAGS else "standard error 0", n)
+                        for r, n in reasons.items())
+        needs.append("standard errors that cannot be used ({}): a verdict needs more batches than this run's {}, "
+                     "independent and shuffled".format(why, read))
+    untested = report.untested
+    return "untested: {} could not be tested ({} {}): {}".format(
+        counted(sum(untested.values()), "channel"), "layer" if len(untested) == 1 else "layers",
+        ", ".join("{!r} {}".format(name, count) for name, count in untested.items()), "; ".join(needs))
+
+
 def verdict_lines(report: CheckReport, args: argparse.Namespace) -> List[str]:
-    """Each stale layer with its worst channel's figures, then the command that fixes them."""
+    """Each stale layer with its worst channel's figures, then the command that fixes them; or,
+    with no stale layer, the line on the untested channels, if any."""
     lines = []
     for fit in report.layers:
         off, worst = len(set(fit.off("mean")) | set(fit.off("var"))), fit.worst
@@ -82,4 +115,6 @@ def verdict_lines(report: CheckReport, args: argparse.Namespace) -> List[str]:
                 fit.name, off, "" if off == 1 else "s", worst.describe()))
     if lines:
         lines.append("to fix: " + fix_command(args))
+    elif report.untested:
+        lines.append(untested_line(report))
     return lines

@@ -18,7 +18,7 @@ import torch
 
 from .. import distributed
 from ..errors import ConfigError
-from .specs import call_factory, import_optional, load_callable
+from .specs import call_factory, import_optional, is_object_spec, load_callable
 
 logger = logging.getLogger("precise_bn")
 
@@ -220,17 +220,25 @@ def _factory_data(spec: str, kwargs: Dict[str, Any], batch_size: Optional[int], 
     return data
 
 
-def resolve_data(spec: str, kwargs: Optional[Mapping[str, Any]] = None, batch_size: Optional[int] = None, *,
-                 seed: Optional[int] = None, augment: bool = False) -> Iterable[Any]:
-    """The batches ``spec`` names (see the module docstring); ``seed`` None means 0 for the
-    built-in specs and nothing passed to a factory."""
-    kwargs = dict(kwargs or {})
-    kind, sep, rest = spec.partition(":")
-    if not sep:
+def check_data_spec(spec: str, augment: bool = False) -> None:
+    """Refuse a ``--data`` spec of none of the forms (see the module docstring), with the spec
+    most likely meant, or ``augment`` for data that decide their own, before anything is read:
+    a usage error."""
+    kind, _, rest = spec.partition(":")
+    if not (kind in ("npz", "imagefolder") and rest or is_object_spec(spec)):
         raise _bare_data_spec(spec)
     if augment and kind != "imagefolder":
         raise ConfigError("--augment: only imagefolder: data have built-in augmentation; --data {!r} decides its "
                           "own".format(spec))
+
+
+def resolve_data(spec: str, kwargs: Optional[Mapping[str, Any]] = None, batch_size: Optional[int] = None, *,
+                 seed: Optional[int] = None, augment: bool = False) -> Iterable[Any]:
+    """The batches ``spec`` names (see the module docstring); ``seed`` None means 0 for the
+    built-in specs and nothing passed to a factory."""
+    check_data_spec(spec, augment)
+    kwargs = dict(kwargs or {})
+    kind, _, rest = spec.partition(":")
     if kind == "npz" and rest:
         return _npz_data(spec, rest, kwargs, batch_size or DEFAULT_BATCH_SIZE, seed or 0)
     if kind == "imagefolder" and rest:

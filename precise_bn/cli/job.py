@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..data import DEFAULT_ITERS
 from ..driver import recalibrate
 from ..checkpoint.formats import load_checkpoint, save_checkpoint
 from ..checkpoint.paths import check_paths
@@ -33,13 +34,11 @@ from ..pytorch.bn_pass import BNPass
 from ..pytorch.layers import no_layer_message, select_layers
 from ..report import BNReport
 from ..signals import all_or_nothing
-from .data_specs import data_files, resolve_data
+from .data_specs import check_data_spec, data_files, resolve_data
 from .failures import BlamedBatches, blame, blamed_on, raised_in_package
-from .specs import build_on_meta, resolve_model, same_family
+from .specs import build_on_meta, check_model_spec, resolve_model, same_family
 
 logger = logging.getLogger("precise_bn")
-
-DEFAULT_ITERS = 200
 
 
 def default_output(checkpoint: str) -> str:
@@ -145,15 +144,19 @@ def open_job(
     caffe2_rules: Any = None,
     **options: Any,
 ) -> Job:
-    """Everything before the pass: ``outputs`` (``(flag, path)``) checked on rank 0, the
-    checkpoint loaded and matched to the model, the data opened (see :func:`recompute_checkpoint`
-    for the arguments; ``where`` names the caller in an error). A failure on any rank fails every
-    rank at the end of the setup."""
+    """Everything before the pass: the specs' forms checked, then ``outputs`` (``(flag, path)``)
+    on rank 0, the checkpoint loaded and matched to the model, the data opened (see
+    :func:`recompute_checkpoint` for the arguments; ``where`` names the caller in an error). A
+    failure on any rank fails every rank at the end of the setup."""
     opts = Options.build(where, **options)
     if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
         opts = opts.replace(num_batches=DEFAULT_ITERS)
     targets: List[str] = []
     with _together(opts.timeout):
+        if isinstance(model, str):
+            check_model_spec(model)
+        if isinstance(data, str):
+            check_data_spec(data, augment)
         if distributed.is_main_process():
             targets = _check_outputs(checkpoint, data, outputs, in_place, break_hardlinks, overwrite)
         ckpt = load_checkpoint(checkpoint, key=key, trust=trust, rules=caffe2_rules)
@@ -176,7 +179,7 @@ def measure(job: Job, write: bool = True) -> BNReport:
     """The pass (``write=False``: measure only), all or nothing; an exception from the user's
     model becomes one line naming it and the batch."""
     try:
-        return recalibrate(BNPass(job.net, job.opts), job.batches, job.opts, write=write)
+        return recalibrate(BNPass(job.net, job.opts, budget_name="--num-batches"), job.batches, job.opts, write=write)
     except PreciseBNError:
         raise
     except Exception as exc:

@@ -7,12 +7,13 @@ import re
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .._version import __version__
+from ..data import DEFAULT_ITERS
 from ..errors import ConfigError
 from ..options import DEFAULT_TIMEOUT, Options, option_help
 from ..staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, Rule
-from .data_specs import CROP_FRACTION
+from .data_specs import CROP_FRACTION, check_data_spec
 from .demo import DEFAULT_STEPS
-from .job import DEFAULT_ITERS
+from .specs import check_model_spec, check_object_spec
 
 
 def _number(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="leave out tensors whose names the rules do not map (default: fail and list them)")
     add_loading(con)
     _add_writing(con)
+    con.set_defaults(command_parser=con)
 
     demo = sub.add_parser("demo", parents=[common], help="train a small BN network on handwritten digits and recalibrate it")
     demo.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help="training steps (default %(default)s)")
@@ -221,15 +223,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_specs(args: argparse.Namespace) -> None:
+    """The form of every spec given (``--model``, ``--data``, ``--forward-fn``, ``--caffe2-rules``),
+    before any file is looked at: a malformed one is a usage error, not one run later."""
+    if args.command in ("recompute", "check"):
+        check_model_spec(args.model)
+        check_data_spec(args.data, args.augment)
+        if args.forward_fn:
+            check_object_spec(args.forward_fn, "--forward-fn")
+    if getattr(args, "caffe2_rules", None):
+        check_object_spec(args.caffe2_rules, "--caffe2-rules")
+
+
 #: ``recompute`` flags whose values :class:`~precise_bn.options.Options` checks, by its argument.
 CHECKED_BY_OPTIONS = {"device": "--device"}
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The arguments of ``argv``, with the checks argparse cannot express; a usage error raises
-    ``SystemExit(2)`` after printing the sub-command's usage. Values that
-    :class:`~precise_bn.options.Options` refuses are usage errors too, naming the flag."""
+    ``SystemExit(2)`` after printing the sub-command's usage. A malformed spec, and values that
+    :class:`~precise_bn.options.Options` refuses, are usage errors too, naming the flag."""
     args = build_parser().parse_args(argv)
+    try:
+        _check_specs(args)
+    except ConfigError as exc:
+        args.command_parser.error(str(exc))
     if args.command == "inspect" and args.plot and not args.against:
         args.command_parser.error("--plot draws the drift between two checkpoints and needs --against OTHER")
     for name, flag in CHECKED_BY_OPTIONS.items() if args.command in ("recompute", "check") else ():

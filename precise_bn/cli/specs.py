@@ -40,11 +40,23 @@ def import_optional(name: str, what: str) -> Any:
         ) from exc
 
 
+def is_object_spec(spec: str) -> bool:
+    """Whether ``spec`` has the form ``package.module:attr`` (or ``file.py:attr``)."""
+    module_name, sep, attr = spec.rpartition(":")
+    return bool(sep and module_name and attr)
+
+
+def check_object_spec(spec: str, option: str) -> None:
+    """Refuse a ``spec`` not of the form ``package.module:name`` before anything runs (``option``
+    names the flag): a usage error, told apart from a module that fails to import."""
+    if not is_object_spec(spec):
+        raise ConfigError("{} {!r}: expected 'package.module:name'".format(option, spec))
+
+
 def load_object(spec: str, option: str) -> Any:
     """Import ``package.module:attr.attr`` or ``file.py:attr``; ``option`` names the flag in errors."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError("{} {!r}: expected 'package.module:name'".format(option, spec))
+    check_object_spec(spec, option)
+    module_name, _, attr = spec.rpartition(":")
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
             raise ConfigError("{} {!r}: no such file {}".format(option, spec, module_name))
@@ -109,12 +121,19 @@ def _bare_model_name(spec: str) -> ConfigError:
     return ConfigError("--model {!r}: expected {}".format(spec, MODEL_FORMS))
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse a ``--model`` spec of none of the forms (see the module docstring), with the spec
+    most likely meant, before anything is built or read: a usage error."""
+    kind, _, name = spec.partition(":")
+    if not name or (kind not in ("torchvision", "timm") and not is_object_spec(spec)):
+        raise _bare_model_name(spec)
+
+
 def resolve_model(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> nn.Module:
     """Build the model ``spec`` names (see the module docstring), with ``kwargs``."""
+    check_model_spec(spec)
     kwargs = dict(kwargs or {})
     kind, _, name = spec.partition(":")
-    if not name:
-        raise _bare_model_name(spec)
     if kind == "torchvision":
         torchvision = import_optional("torchvision", "--model torchvision:NAME")
         models = torchvision.models
