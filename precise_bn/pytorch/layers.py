@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..errors import ConfigError, LayerError
+from ..errors import ConfigError, LayerError, warn
 from ..options import LayerSpec, check_layers
 
 logger = logging.getLogger("precise_bn")
@@ -112,10 +112,11 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
     (logged, never a silent no-op). ``"all"``: every tracking BN layer. A sequence of modules or
     qualified names: exactly those. Layers with ``track_running_stats=False`` and frozen BN
     (not a ``_BatchNorm``) are never selected; a layer listed twice is taken once. Raises
-    :class:`LayerError` for a lazy layer not yet materialised, or one whose ``forward`` was
-    replaced on the instance.
+    :class:`LayerError` for a lazy layer not yet materialised, one whose ``forward`` was
+    replaced on the instance, and a TorchScript model or submodule.
     """
     check_layers(layers)
+    _refuse_script(model)
     named = [(name, m) for name, m in named_modules(model) if is_tracking_bn(m)]
     if layers is None:
         chosen = [(n, m) for n, m in named if m.training]
@@ -133,6 +134,35 @@ def select_layers(model: nn.Module, layers: LayerSpec = None) -> List[NamedLayer
 
 
 RUNNING = ("running_mean", "running_var")
+
+
+def holds_running_stats(module: nn.Module) -> bool:
+    """Whether ``module`` has ``running_mean`` and ``running_var`` buffers of its own: a BN
+    layer, or one precise-bn cannot capture (frozen, scripted, a functional ``batch_norm``)."""
+    own = dict(module.named_buffers(recurse=False))
+    return all(own.get(key) is not None for key in RUNNING)
+
+
+def _refuse_script(model: nn.Module) -> None:
+    """Refuse a TorchScript module, the model or inside it. Its forward is compiled code that
+    calls BatchNorm without going through a layer's Python ``forward``, so no capture sees it and
+    the pass would leave its statistics as they are while saying it recomputed the model; and a
+    pass could not put a scripted module's state back (its tables are not Python dicts)."""
+    script = torch.jit.ScriptModule
+    scripted = [(name, m) for name, m in named_modules(model) if isinstance(m, script)]
+    if not scripted:
+        return
+    name, outer = scripted[0]
+    bn = sum(holds_running_stats(m) for _, m in scripted)
+    where = "{} is a TorchScript module ({})".format(outer.original_name, type(outer).__name__) if outer is model \
+        else "module {!r} of {} is a TorchScript module ({} {})".format(name, type(model).__name__,
+                                                                        outer.original_name, type(outer).__name__)
+    raise LayerError(
+        "{}: its compiled forward calls BatchNorm out of precise-bn's sight, so {}. Use the Python module, as it "
+        "was before torch.jit.script or torch.jit.trace, and script it afterwards (or load the Python module's "
+        "state_dict() into the scripted one)".format(
+            where, "none of its {} BatchNorm layer(s) can be measured".format(bn) if bn
+            else "no BatchNorm call in it could be measured"))
 
 
 def _check_model(model: nn.Module, chosen: List[NamedLayer]) -> None:
@@ -189,9 +219,89 @@ def no_layer_message(model: nn.Module) -> str:
     """Why a model has nothing to recompute, in words that fit the case."""
     bn = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     if not bn:
-        return "{} has no BatchNorm layer".format(type(model).__name__)
+        return "{} has no BatchNorm layer{}".format(type(model).__name__, _not_bn(model))
     if not any(m.track_running_stats for m in bn):
         return "none of the {} BatchNorm layers of {} tracks running stats (track_running_stats=False)".format(
             len(bn), type(model).__name__)
     return "no BatchNorm layer of {} is in training mode while the model is (pass layers='all' to " \
            "recompute them anyway)".format(type(model).__name__)
+
+
+def _not_bn(model: nn.Module) -> str:
+    """What a model without BN layers holds instead that looks like them, by class.
+
+    Frozen BN is recognised by its class name (``FrozenBatchNorm2d`` of torchvision, detectron2
+    and timm alike): its statistics are constants of the checkpoint, buffers that no forward
+    updates, so there is nothing to recompute. Any other module with ``running_mean`` and
+    ``running_var`` buffers that is not a ``_BatchNorm`` is named as such: precise-bn captures
+    ``_BatchNorm`` subclasses only.
+    """
+    frozen: Dict[str, int] = {}
+    other: Dict[str, int] = {}
+    for module in model.modules():
+        kind = type(module).__name__
+        if "FrozenBatchNorm" in kind:
+            frozen[kind] = frozen.get(kind, 0) + 1
+        elif holds_running_stats(module):
+            other[kind] = other.get(kind, 0) + 1
+    parts = []
+    if frozen:
+        parts.append("{} fixed statistics, no running statistics to recompute".format(_counted(frozen)))
+    if other:
+        parts.append("{} running_mean and running_var but not as BatchNorm layers (subclasses of "
+                     "torch.nn.modules.batchnorm._BatchNorm, the only layers precise-bn captures)".format(
+                         _counted(other)))
+    return "".join("; its " + part for part in parts)
+
+
+def _counted(kinds: Dict[str, int]) -> str:
+    """``{"FrozenBatchNorm2d": 53}`` as "53 FrozenBatchNorm2d layers hold"."""
+    return " and ".join("{} {} layer{}".format(n, kind, "" if n == 1 else "s") for kind, n in kinds.items()) + (
+        " holds" if sum(kinds.values()) == 1 else " hold")
+
+
+def split_bn(module: nn.Module) -> List[nn.Module]:
+    """The BN layers of a split BN module, or nothing if ``module`` is not one: SlowFast's
+    ``SubBatchNorm3d`` (a ``bn`` used in eval mode, a ``split_bn`` in training, whose statistics
+    ``aggregate_stats()`` copies into ``bn``) or timm's ``SplitBatchNorm2d`` (itself, for the
+    first split of a training batch, and its ``aux_bn`` for the others). Known by their
+    children, so that copies of either class are recognised too."""
+    children = module._modules
+    parts = [children.get("bn"), children.get("split_bn")]
+    if all(isinstance(part, _BatchNorm) for part in parts):
+        return parts  # type: ignore[return-value]
+    aux = children.get("aux_bn")
+    if isinstance(module, _BatchNorm) and aux is not None and any(isinstance(m, _BatchNorm) for m in aux.modules()):
+        return [module] + [m for m in aux.modules() if isinstance(m, _BatchNorm)]
+    return []
+
+
+def warn_if_split_bn(model: nn.Module, layers: List[NamedLayer]) -> None:
+    """One warning when an eval-mode model has split BN among ``layers``: what a pass measures
+    there is not what the model's own bookkeeping expects (docs/integrations.md, "Split BatchNorm")."""
+    if model.training:
+        return
+    chosen = {id(m) for _, m in layers}
+    found: Dict[str, List[str]] = {}
+    for name, module in named_modules(model):
+        if any(id(part) in chosen for part in split_bn(module)):
+            found.setdefault("split_bn" if "split_bn" in module._modules else "aux_bn", []).append(name or "(model)")
+    advice = {
+        "split_bn": "{} with a `bn` and a `split_bn` (SlowFast's SubBatchNorm3d): in eval mode `bn` is measured "
+                    "directly and `split_bn` never runs, so aggregate_stats() (SlowFast's aggregate_sub_bn_stats) "
+                    "would overwrite the new statistics with split_bn's old ones. Recompute with the model in train "
+                    "mode, then call aggregate_sub_bn_stats(model)",
+        "aux_bn": "{} with `aux_bn` (timm's SplitBatchNorm2d): a pass runs their training forward, which gives the "
+                  "layer the first 1/num_splits of each batch and its aux_bn the others. Recompute with the model in "
+                  "train mode on batches built as in training (the clean split first)",
+    }
+    parts = [advice[kind].format(_names(names)) for kind, names in found.items()]
+    if parts:
+        warn("{} is in eval mode and has split BatchNorm: {} (docs/integrations.md, \"Split BatchNorm\")".format(
+            type(model).__name__, "; ".join(parts)))
+
+
+def _names(names: List[str]) -> str:
+    """Up to three module names, and how many there are."""
+    return "{} module{} ({}{})".format(len(names), "" if len(names) == 1 else "s",
+                                       ", ".join(repr(n) for n in names[:3]), ", ..." if len(names) > 3 else "")
