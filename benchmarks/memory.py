@@ -4,8 +4,9 @@
 
 Writes the "memory" section of ``DIR/RESULTS.md`` and ``DIR/pass_memory.png``: for torchvision
 CNNs, a BN MLP and the same MLP holding a large buffer, what ``precise_bn.recompute`` adds to
-the plain forward's peak, next to the model's parameters (what a copy of them would add) and
-its buffers (which a pass keeps a copy of, to put back what the forwards change). ``compare.py``
+the plain forward's peak, next to the model's parameters (which a pass copies during its first
+batch, to put back a parameter a forward writes) and its buffers (which a pass keeps a copy of,
+to put back what the forwards change). ``compare.py``
 uses :func:`peak_memory_over_floor` for every method. With ``--worker`` the script is the
 worker: a fresh process, started with glibc's malloc told to hand every large block straight
 back to the system, that reads its own peak resident set size around each method.
@@ -184,14 +185,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "every block of 64 KiB or more). Rerun, a case moves by up to about 2 MiB (heap and Python "
         "objects): read the peaks to that precision. A "
         "pass keeps one copy of the model's buffers, to put back whatever the forwards change "
-        "(observers, counters, a functional batch_norm's statistics), and no copy of its "
-        "parameters; the rest is the capture's per-layer blocks of calls and float64 statistics, "
+        "(observers, counters, a functional batch_norm's statistics), and a copy of its parameters "
+        "while the first batch runs (kept for the pass only if that batch wrote one); the rest is "
+        "the capture's per-layer blocks of calls and float64 statistics, "
         "and the report. The last row's model holds a buffer its forward never reads: the pass "
         "copies it all the same.".format(settings[0].batches, repeats),
         common.markdown_table(["model", "parameters", "buffers", "BN channels", "pass peak over the forward",
                                "peak - buffers", "peak / parameters"], rows),
-        common.target_line("no copy of the parameters: the peak minus the buffers' copy below the parameters' "
-                           "size in every row", all(p - s["buffers"] < s["parameters"] for s, p in zip(sizes, peaks))),
+        common.target_line("at most one copy of the parameters: the peak minus the buffers' copy below twice the "
+                           "parameters' size in every row",
+                           all(p - s["buffers"] < 2 * s["parameters"] for s, p in zip(sizes, peaks))),
     ])
     common.write_section(args.out / "RESULTS.md", "memory", body)
     print(body)

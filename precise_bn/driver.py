@@ -18,7 +18,7 @@ from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
-from .data import batches_for_samples, planned_batches
+from .data import DefaultBudget, batches_for_samples, planned_batches
 from .distributed import ACTIVE, DONE, Ranks, fingerprint, resolve_sync
 from .buffers import Stats, check_fits
 from .errors import EmptyDataError, warn
@@ -47,9 +47,12 @@ class Backend(Protocol):
     #: The dtype of each layer's running buffers: what the results must fit in.
     dtypes: List[torch.dtype]
     empty_reason: str
-    #: Once the batches are run: modules whose running statistics a forward changed outside the
-    #: measured layers (a functional ``batch_norm``), put back and not recomputed.
+    #: Once the batches are run, all put back: modules whose running statistics a forward changed
+    #: outside the measured layers (a functional ``batch_norm``, not recomputed), the other buffers
+    #: changed outside BN layers' statistics, and the parameters written in place (by name).
     not_recomputed: Sequence[str]
+    changed_buffers: Sequence[str]
+    changed_parameters: Sequence[str]
 
     def choose(self) -> None:
         """Choose the layers (``names``, ``eps``, ``dtypes`` are known afterwards)."""
@@ -205,18 +208,19 @@ def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ran
 
 
 def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") -> None:
-    """A :class:`PreciseBNWarning` when this rank's data ended before the budget it was given."""
+    """A :class:`PreciseBNWarning` when this rank's data ended before its budget; ``what`` is
+    the budget's name for the caller, and a budget left at its default is called so."""
     if outcome.stop != "data":
         return
+    read = counted(outcome.local_batches, "batch", "batches")
     if opts.num_samples is not None:
-        message = "the data ran out after {} samples ({} batches); num_samples={} was asked for".format(
-            outcome.local_samples, outcome.local_batches, opts.num_samples)
+        warn("the data ran out after {} ({}); num_samples={} was asked for".format(
+            counted(outcome.local_samples, "sample"), read, opts.num_samples))
+    elif isinstance(opts.num_batches, DefaultBudget):
+        warn("the data ran out after {}, before the default {}={} ({} was not given: pass it to set the "
+             "budget)".format(read, what, opts.num_batches, what))
     elif opts.num_batches is not None:
-        message = "the data ran out after {} batches; {}={} was asked for".format(
-            outcome.local_batches, what, opts.num_batches)
-    else:
-        return
-    warn(message)
+        warn("the data ran out after {}; {}={} was asked for".format(read, what, opts.num_batches))
 
 
 def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[Stats]]:
@@ -226,13 +230,14 @@ def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[
 
 
 def name_not_recomputed(backend: Backend, report: BNReport) -> None:
-    """Fill ``BNReport.not_recomputed`` and name those modules in one warning."""
+    """Fill in ``report`` what the forwards changed besides the measured statistics, all put back
+    (``not_recomputed``, ``changed_buffers``, ``changed_parameters``), and name it in one warning."""
     report.not_recomputed = list(backend.not_recomputed)
-    if report.not_recomputed:
-        warn("not recomputed: {}: a functional batch_norm call changed their running statistics during the "
-             "pass, which precise-bn does not measure, so they were put back as they were. A BatchNorm layer "
-             "(torch.nn.BatchNorm1d/2d/3d or a subclass) in its place would be recomputed".format(
-                 ", ".join(report.not_recomputed)))
+    report.changed_buffers = list(backend.changed_buffers)
+    report.changed_parameters = list(backend.changed_parameters)
+    message = report.put_back_warning()
+    if message:
+        warn(message)
 
 
 def build_report(

@@ -34,10 +34,22 @@ class LayerError(PreciseBNError):
     """A BatchNorm layer cannot be recalibrated as asked (unmaterialised, not tracking stats, ...)."""
 
 
+class ConcurrentPassError(PreciseBNError, RuntimeError):
+    """Another pass is running on the model (or on a module it shares with the model), in another
+    thread or further up this one's stack; nothing was changed. Passes on one model cannot
+    overlap: each would put back the other's half-done state."""
+
+
 class ParameterChangedError(PreciseBNError):
-    """The model's forward wrote a parameter in place during a pass; the message names it. No
-    statistics were written and every buffer was put back; that parameter holds what the
-    forward wrote (precise-bn keeps no copy of the parameters)."""
+    """The model's forward wrote a parameter in place on a later batch of a pass whose first batch
+    wrote none, so that its copy of the parameters was already released; the message names it. No
+    statistics were written and every buffer was put back; that parameter holds what the forward
+    wrote. (A parameter written on the first batch is put back, and the pass completes: see
+    ``BNReport.changed_parameters``.)"""
+
+    #: What to do about a forward that writes parameters, for this error and the pass's warning.
+    advice = ("A statistics pass should not change weights: move that change out of forward (into the "
+              "training step), or skip it when torch.is_grad_enabled() is False")
 
 
 class DistributedError(PreciseBNError):

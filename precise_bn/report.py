@@ -1,12 +1,13 @@
 """What a recalibration did: per layer, what it saw, how far the stats moved, how sure they are."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import UndoError
+from .errors import ParameterChangedError, UndoError
 from .precision import FLAGS
 from .signals import all_or_nothing
 from .snapshot import Snapshot
@@ -144,6 +145,12 @@ def _cell(value: Optional[float]) -> str:
     return "-" if value is None else "{:.3g}".format(value)
 
 
+def _se_cell(value: Optional[float], why: str) -> str:
+    """A relative standard error's cell: NaN (a layer whose elements all came in one call has no
+    spread between calls to measure) is ``n/a (why)``."""
+    return "n/a ({})".format(why) if value is not None and math.isnan(value) else _cell(value)
+
+
 #: Column titles of the printed report, and the :data:`DEFINITIONS` entry of each.
 COLUMNS = {"mean drift": "mean_drift", "var drift": "var_drift", "mean se/std": "mean_rel_stderr",
            "var se/var": "var_rel_stderr"}
@@ -177,8 +184,12 @@ class BNReport:
     each column means (large drifts marked, see :data:`LARGE_DRIFT`).
 
     ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
-    count what was read, summed over ranks. ``not_recomputed`` names the modules whose running
-    statistics a functional ``batch_norm`` call changed during the pass: put back, not recomputed.
+    count what was read, summed over ranks. What the forwards changed besides the measured
+    statistics, all put back as it was: ``not_recomputed`` names the modules whose running
+    statistics a functional ``batch_norm`` call changed (not recomputed), ``changed_buffers`` every
+    other buffer changed outside the BN layers' statistics (a counter, an observer's range, a
+    functional ``batch_norm``'s statistics under other names), ``changed_parameters`` each parameter
+    written in place (the statistics were measured with what was written).
     """
 
     layers: List[LayerReport] = field(default_factory=list)
@@ -190,6 +201,8 @@ class BNReport:
     stop: str = "data"
     rtol: Optional[float] = None
     not_recomputed: List[str] = field(default_factory=list)
+    changed_buffers: List[str] = field(default_factory=list)
+    changed_parameters: List[str] = field(default_factory=list)
     snapshot: Optional[Snapshot] = field(default=None, repr=False, compare=False)
 
     @all_or_nothing
@@ -218,9 +231,12 @@ class BNReport:
         return len(self.layers)
 
     def worst(self, key: str) -> Optional[float]:
-        """The largest value of a per-layer number (``"mean_rel_stderr"``, ...) over layers that ran."""
+        """The largest value of a per-layer number (``"mean_rel_stderr"``, ...) over layers that
+        ran; NaN if one layer's is NaN (a standard error after one call: the worst is not known)."""
         values = [getattr(layer, key) for layer in self.layers if layer.ran]
         values = [v for v in values if v is not None]
+        if any(math.isnan(v) for v in values):
+            return float("nan")
         return max(values) if values else None
 
     def to_dict(self, with_stats: bool = False) -> Dict[str, Any]:
@@ -234,9 +250,34 @@ class BNReport:
             "rtol": self.rtol,
             "unused": self.unused,
             "not_recomputed": list(self.not_recomputed),
+            "changed_buffers": list(self.changed_buffers),
+            "changed_parameters": list(self.changed_parameters),
             "definitions": dict(DEFINITIONS),
             "layers": [layer.to_dict(with_stats) for layer in self.layers],
         }
+
+    def put_back_warning(self) -> str:
+        """The one warning that names what the forwards changed besides the measured statistics
+        (all put back), or "" when they changed nothing else."""
+        parts = []
+        if self.not_recomputed:
+            parts.append(
+                "not recomputed: {}: a functional batch_norm call changed their running statistics during the "
+                "pass, which precise-bn does not measure, so they were put back as they were. A BatchNorm layer "
+                "(torch.nn.BatchNorm1d/2d/3d or a subclass) in its place would be recomputed".format(
+                    ", ".join(self.not_recomputed)))
+        if self.changed_buffers:
+            parts.append(
+                "The forwards changed buffer(s) other than the BatchNorm layers' statistics: {}; they were put "
+                "back as they were (if a functional batch_norm keeps statistics in them, those are not "
+                "recomputed: a BatchNorm layer in its place would be)".format(", ".join(self.changed_buffers)))
+        if self.changed_parameters:
+            parts.append(
+                "The forwards wrote parameter(s) in place: {}; the statistics were measured with what they "
+                "wrote, and the parameters were put back as they were. {}".format(
+                    ", ".join(self.changed_parameters), ParameterChangedError.advice))
+        text = ". ".join(parts)
+        return text[:1].lower() + text[1:]
 
     def summary(self) -> str:
         """The first line of the table: what was read, why it stopped, the worst standard errors,
@@ -247,6 +288,7 @@ class BNReport:
         why = ", ".join("{}: {}".format(label, sum(len(layer.se_reasons.get(reason, ())) for layer in self.layers))
                         for reason, (label, _) in FLAGS.items()
                         if any(reason in layer.se_reasons for layer in self.layers))
+        unknown = "one batch" if self.batches == 1 else "a layer ran once"
         untrusted = "; standard errors not trusted in {} of {} ({}){}".format(
             counted(sum(flagged), "channel"), counted(len(flagged), "layer"), why,
             ", so rtol={:g} could not stop the pass".format(self.rtol) if self.rtol is not None else "")
@@ -255,7 +297,8 @@ class BNReport:
             counted(count, "BatchNorm layer"), counted(self.batches, "batch", "batches"),
             counted(self.samples, "sample"), self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
-            _cell(self.worst("mean_rel_stderr")), _cell(self.worst("var_rel_stderr")), untrusted if flagged else "")
+            _se_cell(self.worst("mean_rel_stderr"), unknown), _se_cell(self.worst("var_rel_stderr"), unknown),
+            untrusted if flagged else "")
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])
@@ -265,12 +308,15 @@ class BNReport:
         for layer in self.layers:
             if layer.ran:
                 rows.append(line.format(layer.name, layer.calls, layer.elements, _drift_cell(layer.mean_drift),
-                                        _drift_cell(layer.var_drift), _cell(layer.mean_rel_stderr),
-                                        _cell(layer.var_rel_stderr), w=width))
+                                        _drift_cell(layer.var_drift), _se_cell(layer.mean_rel_stderr, "1 call"),
+                                        _se_cell(layer.var_rel_stderr, "1 call"), w=width))
             else:
                 rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
-        if self.not_recomputed:
-            rows.append("not recomputed (a functional batch_norm, put back): " + ", ".join(self.not_recomputed))
+        for label, names in (("not recomputed (a functional batch_norm, put back)", self.not_recomputed),
+                             ("buffers the forwards changed (put back)", self.changed_buffers),
+                             ("parameters the forwards wrote (put back)", self.changed_parameters)):
+            if names:
+                rows.append("{}: {}".format(label, ", ".join(names)))
         rows.append(legend(list(COLUMNS)))
         if any(layer.ran and max(layer.mean_drift, layer.var_drift) >= LARGE_DRIFT for layer in self.layers):
             rows.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(

@@ -37,13 +37,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _storage(tensor: torch.Tensor) -> Any:
     """The tensor's storage, or None for one without a storage of its own (sparse, a subclass
-    that wraps others)."""
+    that wraps others: a ``DTensor``'s storage exists but has no data pointer)."""
     if tensor.layout != torch.strided:
         return None
     try:
-        return tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+        storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+        storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+    return storage
 
 
 class Place:

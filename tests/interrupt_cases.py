@@ -4,8 +4,9 @@ model is as it was" means, bit for bit.
 The model has every kind of BN layer the capture treats differently (the kernel called
 directly, a subclass's own forward, no affine parameters, momentum None), a layer in eval mode
 that must not be touched, hooks on two layers, and a module with state of its own that a pass
-holds still and puts back (an observer's switch, the range it learns, a call counter); each case
-knows the state it starts from and the state an undisturbed call leaves.
+holds still and puts back (an observer's switch, the range it learns, a call counter, and in one
+case a weight its forward clamps); each case knows the state it starts from and the state an
+undisturbed call leaves.
 """
 from __future__ import annotations
 
@@ -53,28 +54,34 @@ class Block(nn.Module):
 
 class Observer(nn.Module):
     """Learns the largest magnitude of each channel while its switch is on (as a fake-quantize
-    module's observer does) and counts its calls: a pass turns the switch off and puts all back."""
+    module's observer does) and counts its calls; with ``clamps``, also clamps its weight in place
+    (as weight clipping does): a pass turns the switch off and puts all back, the weight included."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, clamps: bool = False):
         super().__init__()
         self.register_buffer("observer_enabled", torch.ones(1, dtype=torch.uint8))
         self.register_buffer("max_val", torch.zeros(channels))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.clamps = clamps
+        self.weight = nn.Parameter(torch.linspace(0.5, 2.0, channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.observer_enabled[0] == 1:
             torch.maximum(self.max_val, x.detach().abs().amax(0), out=self.max_val)
-        return x
+        if self.clamps:
+            with torch.no_grad():
+                self.weight.clamp_(max=1.0)
+        return x * self.weight
 
 
 class Deep(nn.Module):
     """``blocks`` residual BN blocks, an observer, then a BatchNorm1d head; hooks on two layers."""
 
-    def __init__(self, blocks: int, channels: int = 4):
+    def __init__(self, blocks: int, channels: int = 4, clamps: bool = False):
         super().__init__()
         self.blocks = nn.Sequential(*(Block(channels, KINDS[i % len(KINDS)]) for i in range(blocks)))
-        self.observer = Observer(channels)
+        self.observer = Observer(channels, clamps)
         self.head = nn.BatchNorm1d(channels)
         self.blocks[0].bn.register_forward_hook(lambda m, i, o: None)
         self.head.register_forward_pre_hook(lambda m, i: None)
@@ -83,9 +90,9 @@ class Deep(nn.Module):
         return self.head(self.observer(self.blocks(x).mean((2, 3))))
 
 
-def make_model(blocks: int, seed: int = 0) -> Deep:
+def make_model(blocks: int, seed: int = 0, clamps: bool = False) -> Deep:
     torch.manual_seed(seed)
-    model = Deep(blocks)
+    model = Deep(blocks, clamps=clamps)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -163,16 +170,22 @@ class Case:
 
 
 def _restorer(model: nn.Module) -> Callable[[], None]:
-    """Puts every buffer back, object and value: a trial's plain forward in train mode moves
-    the running stats, and on torch 1.x rebinds ``num_batches_tracked`` to a new tensor."""
+    """Puts every buffer back, object and value, and every parameter whose value changed: a
+    trial's plain forward in train mode moves the running stats (and clamps a clamping
+    observer's weight), and on torch 1.x rebinds ``num_batches_tracked`` to a new tensor. A
+    parameter left alone keeps its version counter, which the hooks' cache reads."""
     pristine = [(m, key, t, t.detach().clone()) for m in model.modules() for key, t in m._buffers.items()
                 if t is not None]
+    weights = [(p, p.detach().clone()) for p in model.parameters()]
 
     def reset() -> None:
         with torch.no_grad():
             for module, key, t, value in pristine:
                 module._buffers[key] = t
                 t.copy_(value)
+            for p, value in weights:
+                if not torch.equal(p, value):
+                    p.copy_(value)
 
     return reset
 
@@ -184,8 +197,8 @@ def _cache_state(hook: PreciseBNHook) -> Any:
     return cache.key, value, cache.report is not None, cache.recomputations
 
 
-def _function_case(name: str, blocks: int, call: Callable[[nn.Module], Any]) -> Case:
-    model = make_model(blocks)
+def _function_case(name: str, blocks: int, call: Callable[[nn.Module], Any], clamps: bool = False) -> Case:
+    model = make_model(blocks, clamps=clamps)
     return Case(name, model, lambda: call(model), _restorer(model))
 
 
@@ -259,10 +272,12 @@ CASE_NAMES = ("recompute", "update_bn_stats", "hook-recompute", "hook-reapply", 
 def make_case(name: str, blocks: int, num_batches: int) -> Case:
     """One of :data:`CASE_NAMES`, with its expected state: ``recompute``, ``update_bn_stats``,
     a hook's recomputation at a new step, its re-apply of the cached stats at the same step and
-    its lending of an extra model's, a ``recalibrated`` block, ``undo`` after a recompute."""
+    its lending of an extra model's, a ``recalibrated`` block, ``undo`` after a recompute; or
+    ``recompute-clamping``, a recompute whose forwards clamp a weight, which the pass puts back."""
     batches = make_batches(num_batches)
-    if name == "recompute":
-        case = _function_case(name, blocks, lambda m: recompute(m, batches, num_batches=num_batches, progress=False))
+    if name in ("recompute", "recompute-clamping"):
+        case = _function_case(name, blocks, lambda m: recompute(m, batches, num_batches=num_batches, progress=False),
+                              clamps=name == "recompute-clamping")
     elif name == "update_bn_stats":
         case = _function_case(name, blocks, lambda m: update_bn_stats(m, batches, num_iters=num_batches))
     elif name == "hook-recompute":

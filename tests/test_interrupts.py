@@ -68,6 +68,21 @@ def test_an_exception_at_every_line_leaves_the_model_whole(name):
 
 
 @thread_timeout
+@pytest.mark.parametrize("send", [False, True], ids=["exception", "signal"])
+def test_an_interrupt_at_every_line_puts_a_clamped_weight_back(send):
+    """A forward that clamps a weight: the pass keeps the parameters' copy after the first batch
+    and puts the weight back on every path, with the buffers, in the same critical sections."""
+    case = make_case("recompute-clamping", SMALL_BLOCKS, num_batches=2)
+    weight = case.model.observer.weight
+    kept = weight.detach().clone()
+    report = case.call()
+    assert report.changed_parameters == ["observer.weight"] and kept.max() > 1  # the clamp wrote
+    assert torch.equal(weight, kept)
+    trials = line_trials(case, send=send, stride=1 if not send else 3)
+    assert trials and all(t.landed and t.raised for t in trials), [t.where for t in trials if not t.raised][:5]
+
+
+@thread_timeout
 @pytest.mark.parametrize("raising", [True, False], ids=["raising", "counting"])
 @pytest.mark.parametrize("name,stride", [("hook-reapply", 1), ("hook-lend", 1), ("recompute", 5), ("recalibrated", 5),
                                          ("undo", 1)])

@@ -57,3 +57,36 @@ def test_one_batch_of_one_sample_is_counted_in_the_singular(caplog):
     assert any(": 1 batch (1 sample) read in" in r.getMessage() for r in caplog.records), caplog.text
     many = _report(offset=0.0)
     assert ", {} batches ({} samples),".format(many.batches, many.samples) in many.summary()
+
+
+def test_one_batch_prints_no_standard_error_and_no_nan():
+    """One call says nothing about the spread between calls: the standard errors are NaN, and
+    the report says why instead of printing them."""
+    torch.manual_seed(0)
+    report = recompute(small_net(), [batches()[0][0]], progress=False)
+    text = str(report)
+    assert report.batches == 1 and all(layer.calls == 1 for layer in report.layers)
+    assert "worst relative standard error: mean n/a (one batch), var n/a (one batch)" in report.summary()
+    rows = text.splitlines()[2:2 + len(report.layers)]
+    assert all(row.split("  ")[-2:] == ["n/a (1 call)", "n/a (1 call)"] for row in rows), rows
+    assert "nan" not in text.lower()
+
+
+def test_a_layer_that_ran_once_in_a_longer_pass_prints_no_nan():
+    """A layer run by one batch of several: its cells say why, and the worst is not known."""
+    torch.manual_seed(0)
+    net = small_net(extra_layer=True)
+    data = [x for x, _ in batches()]
+    calls = []
+
+    def forward(model, x):
+        calls.append(1)
+        return model(x) if len(calls) == 1 else model[:-1](x)
+
+    report = recompute(net, data, forward_fn=forward, progress=False)
+    assert report.batches == len(data) > 1 and report["11"].calls == 1
+    assert "worst relative standard error: mean n/a (a layer ran once), var n/a (a layer ran once)" in report.summary()
+    text = str(report)
+    assert "nan" not in text.lower()
+    rows = {row.split()[0]: row for row in text.splitlines()[2:2 + len(report.layers)]}
+    assert [name for name, row in rows.items() if "n/a (1 call)" in row] == ["11"], rows

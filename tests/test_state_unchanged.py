@@ -7,10 +7,12 @@ parameter, submodule or attribute; after a failure the whole state is bit-identi
 with models whose forwards change state on their own: QAT observers and fake-quantize modules
 (fresh, which resize their buffers on first use, and after training steps), spectral norm and
 weight norm, a forward that resizes a buffer, registers one, sets an attribute, rebinds or
-clamps a parameter, or raises after changing state; BN layers sharing running buffers; a
-functional ``batch_norm`` on a module's own buffers. Where the state was exported with
-``.numpy()``, torch leaves a refused resize half-made; that case runs in a subprocess, since a
-write through such a tensor corrupts the heap.
+clamps a parameter (on every batch, or only on a later one), or raises after changing state; BN
+layers sharing running buffers; a functional ``batch_norm`` on a module's own buffers, under
+their usual names or others. What the forwards changed besides the measured statistics is named
+in the report and in one warning; an ordinary model draws none. Where the state was exported
+with ``.numpy()``, torch leaves a refused resize half-made; that case runs in a subprocess, since
+a write through such a tensor corrupts the heap.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import os
 import subprocess
 import sys
 import warnings
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -27,7 +29,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from precise_bn import LayerError, ParameterChangedError, PreciseBNWarning, recalibrated, recompute
-from precise_bn.pytorch.model_state import ModelState
+from precise_bn.pytorch.model_state import ModelState, module_names
+from factories import batches as factory_batches, small_net
 from reference import assert_close_exact, float64_reference
 
 RUNNING = ("running_mean", "running_var")
@@ -77,6 +80,16 @@ def first_module_difference(before, after) -> str:
         if before[name] != after.get(name):
             return "module {!r}: {} -> {}".format(name, before[name], after.get(name))
     return "modules added: {}".format(sorted(set(after) - set(before)))
+
+
+def put_back_warnings(call: Callable[[], Any]) -> Tuple[Any, List[str]]:
+    """``call()``'s result and the PreciseBNWarnings it issued that name what the forwards
+    changed besides the measured statistics (the report's ``put_back_warning``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    messages = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    return result, [m for m in messages if "put back" in m]
 
 
 def batches(shape=(4, 3, 6, 6), count=3, seed=0) -> List[torch.Tensor]:
@@ -158,9 +171,16 @@ def test_qat_changes_only_the_bn_statistics_measured_with_observers_frozen(train
     data = batches()
     reference = frozen_reference(model, data)
     before = whole_state(model)
-    recompute(model, data, progress=False)
+    report, named = put_back_warnings(lambda: recompute(model, data, progress=False))
     assert_only_stats_changed(before, whole_state(model), QAT_LAYERS)
     assert_matches(model, reference, QAT_LAYERS)
+    # The switches the pass itself turned off are not the forwards' change; a fresh fused
+    # fake-quantize module replaces its placeholder ranges even then, and is named.
+    assert not any(name.endswith(("observer_enabled", "static_enabled")) for name in report.changed_buffers)
+    if trained:
+        assert report.changed_buffers == [] and named == []
+    else:
+        assert "conv1.weight_fake_quant.scale" in report.changed_buffers and len(named) == 1
 
 
 @pytest.mark.main_env
@@ -222,11 +242,14 @@ def test_norm_parametrizations_keep_their_buffers_and_the_stats_are_exact(kind):
     data = batches()
     reference = float64_reference(model, data)  # the same power iterations run in both
     before = whole_state(model)
-    recompute(model, data, progress=False)
+    report = recompute(model, data, progress=False)
     assert_only_stats_changed(before, whole_state(model), ["1", "6"])
     assert_matches(model, reference, ["1", "6"])
-    if "spectral" in kind:
-        assert any(k.endswith(("_u", "weight_u")) for k in before[0])
+    if "spectral" in kind:  # the power iteration's vectors: changed by every forward, put back, named
+        vectors = [k for k in before[0] if k.endswith(("_u", "_v"))]
+        assert vectors and sorted(report.changed_buffers) == sorted(vectors)
+    else:
+        assert report.changed_buffers == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,15 +304,25 @@ class Raising(nn.Module):
 
 
 class Clamping(nn.Module):
-    """Clamps its own weight in place on every call, as weight clipping does."""
+    """Clamps its own weight in place, as weight clipping does: under ``torch.no_grad()`` (which
+    moves the weight's version counter) or through ``.data`` (which does not), from batch
+    ``start`` (counted from 1) on."""
 
-    def __init__(self):
+    def __init__(self, through_data: bool = False, start: int = 1):
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 1)
+        self.through_data = through_data
+        self.start = start
+        self.calls = 0
 
     def forward(self, x):
-        with torch.no_grad():
-            self.conv.weight.clamp_(-0.1, 0.1)
+        self.calls += 1
+        if self.calls >= self.start:
+            if self.through_data:
+                self.conv.weight.data.clamp_(-0.1, 0.1)
+            else:
+                with torch.no_grad():
+                    self.conv.weight.clamp_(-0.1, 0.1)
         return self.conv(x)
 
 
@@ -302,9 +335,10 @@ def test_a_resized_buffer_is_put_back_as_the_same_tensor_and_the_pass_succeeds()
     model = with_bn(Resizing())
     scale = model[0].scale
     before = whole_state(model)
-    recompute(model, batches(), progress=False)
+    report = recompute(model, batches(), progress=False)
     assert_only_stats_changed(before, whole_state(model), ["1"])
     assert model[0].scale is scale and scale.shape == (1,)
+    assert report.changed_buffers == ["0.scale"]
 
 
 def test_registered_buffers_attributes_and_rebound_parameters_are_undone():
@@ -312,10 +346,14 @@ def test_registered_buffers_attributes_and_rebound_parameters_are_undone():
     data = batches()
     reference = float64_reference(model, data)
     before = whole_state(model)
-    recompute(model, data, progress=False)
+    report, named = put_back_warnings(lambda: recompute(model, data, progress=False))
     assert_only_stats_changed(before, whole_state(model), ["1"])
     assert "seen" not in model[0]._buffers and not hasattr(model[0], "last_shape")
     assert_matches(model, reference, ["1"])
+    # The counter is named; the buffer the forward registered is removed, the parameter it
+    # rebound bound back (the original was never written): neither is a change to a kept tensor.
+    assert report.changed_buffers == ["0.calls"] and report.changed_parameters == []
+    assert len(named) == 1 and "0.calls" in named[0]
 
 
 def test_a_forward_that_raises_after_changing_state_leaves_everything_bit_identical():
@@ -327,10 +365,46 @@ def test_a_forward_that_raises_after_changing_state_leaves_everything_bit_identi
     assert model[0].batches == 0
 
 
-def test_a_parameter_clamped_in_place_is_refused_after_the_first_batch_naming_it():
-    """No copy of the parameters is kept: the call stops, writes no statistics and puts back
-    everything else; the clamped weight holds what the forward wrote (the README's promise)."""
-    model = with_bn(Clamping())
+@pytest.mark.parametrize("through_data", [False, True], ids=["no_grad", "data"])
+def test_a_parameter_clamped_from_the_first_batch_is_put_back_and_named(through_data):
+    """The first batch wrote the weight, so the copy of the parameters is kept for the whole
+    pass: the pass completes, measured with the clamped weight, and puts it back bit for bit."""
+    model = with_bn(Clamping(through_data))
+    data = batches(count=4)
+    reference = float64_reference(model, data)  # a copy: its forward clamps the same way
+    assert model[0].conv.weight.abs().max() > 0.1  # so the clamp changes bits
+    before = whole_state(model)
+    report, named = put_back_warnings(lambda: recompute(model, data, progress=False))
+    assert_only_stats_changed(before, whole_state(model), ["1"])
+    assert_matches(model, reference, ["1"])
+    assert report.changed_parameters == ["0.conv.weight"] and report.changed_buffers == []
+    assert report.to_dict()["changed_parameters"] == ["0.conv.weight"]
+    assert "parameters the forwards wrote (put back): 0.conv.weight" in str(report)
+    assert len(named) == 1 and "0.conv.weight" in named[0], named
+
+
+def test_once_the_first_batch_wrote_a_parameter_one_written_only_later_is_put_back_too():
+    """The first batch's write keeps the copy of every parameter, not only of the one it wrote."""
+    model = nn.Sequential(Clamping(), Clamping(start=3), nn.BatchNorm2d(3)).train()
+    before = whole_state(model)
+    report, named = put_back_warnings(lambda: recompute(model, batches(count=4), progress=False))
+    assert_only_stats_changed(before, whole_state(model), ["2"])
+    assert report.changed_parameters == ["0.conv.weight", "1.conv.weight"] and len(named) == 1
+
+
+def test_a_parameter_clamped_by_a_pass_that_then_fails_is_put_back():
+    model = nn.Sequential(Clamping(), Raising(), nn.BatchNorm2d(3)).train()
+    before = whole_state(model)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        recompute(model, batches(count=5), progress=False)
+    assert_unchanged(before, whole_state(model))
+
+
+def test_a_parameter_written_only_on_a_later_batch_is_refused_naming_it_and_what_was_put_back():
+    """The first batch wrote no parameter, so the copy was released: the weight written on the
+    third batch cannot be put back. The call stops after that batch, names it and says so; every
+    other entry of the state is as it was."""
+    model = with_bn(Clamping(start=3))
     before = whole_state(model)
     forwards = []
 
@@ -338,9 +412,10 @@ def test_a_parameter_clamped_in_place_is_refused_after_the_first_batch_naming_it
         forwards.append(1)
         return m(batch)
 
-    with pytest.raises(ParameterChangedError, match=r"0\.conv\.weight"):
-        recompute(model, batches(count=4), forward_fn=forward, progress=False)
-    assert len(forwards) == 1
+    with pytest.raises(ParameterChangedError, match=r"during batch 3 of the pass: 0\.conv\.weight\..*released "
+                                                    r"its copy.*hold what the forward wrote"):
+        recompute(model, batches(count=5), forward_fn=forward, progress=False)
+    assert len(forwards) == 3
     after = whole_state(model)
     assert after[1] == before[1]
     changed = [k for k in before[0] if before[0][k] != after[0][k]]
@@ -411,22 +486,102 @@ def test_a_functional_batch_norm_is_named_in_one_warning_and_the_report_and_put_
     assert_only_stats_changed(before, whole_state(model), ["3"])
 
 
+class RenamedFunctionalBN(nn.Module):
+    """The same, on buffers with names of their own."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.register_buffer("fn_mean", torch.zeros(channels))
+        self.register_buffer("fn_var", torch.ones(channels))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.fn_mean, self.fn_var, training=self.training)
+
+
+def test_a_functional_batch_norm_on_buffers_named_otherwise_is_named_in_one_warning_and_the_report_and_put_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), RenamedFunctionalBN(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).train()
+    before = whole_state(model)
+    report, named = put_back_warnings(lambda: recompute(model, batches(), progress=False))
+    assert report.changed_buffers == ["1.fn_mean", "1.fn_var"] and report.not_recomputed == []
+    assert report.to_dict()["changed_buffers"] == ["1.fn_mean", "1.fn_var"]
+    assert "buffers the forwards changed (put back): 1.fn_mean, 1.fn_var" in str(report)
+    assert len(named) == 1 and "1.fn_mean, 1.fn_var" in named[0], named
+    assert_only_stats_changed(before, whole_state(model), ["3"])
+
+
+def test_everything_the_forwards_changed_is_named_in_one_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(Clamping(), FunctionalBN(3), RenamedFunctionalBN(3), Busy(), nn.BatchNorm2d(3)).train()
+    before = whole_state(model)
+    report, named = put_back_warnings(lambda: recompute(model, batches(), progress=False))
+    assert (report.not_recomputed, report.changed_buffers, report.changed_parameters) == (
+        ["1"], ["2.fn_mean", "2.fn_var", "3.calls"], ["0.conv.weight"])
+    assert len(named) == 1 and named[0].startswith("not recomputed: 1:"), named
+    assert all(name in named[0] for name in ("2.fn_mean", "3.calls", "0.conv.weight"))
+    assert_only_stats_changed(before, whole_state(model), ["4"])
+
+
 def test_a_pass_without_functional_batch_norm_names_nothing():
     report = recompute(two_layers(), batches(), progress=False)
     assert report.not_recomputed == [] and "not recomputed" not in str(report)
 
 
-def test_the_kept_state_copies_each_buffer_once_and_no_parameter():
-    """The memory of a pass: the model's buffers once (a buffer held by two modules once), the
-    parameters themselves with their version counters; ``benchmarks/RESULTS.md`` measures it."""
-    model = with_bn(Busy())
+@pytest.mark.parametrize("layers", [None, ["1"]], ids=["all", "one-of-two"])
+def test_an_ordinary_model_draws_no_warning(layers):
+    """BN layers advance their ``num_batches_tracked``, and those left out of ``layers`` their
+    statistics too: the BN layers' own, never named."""
+    torch.manual_seed(0)
+    model = small_net()
+    data = [x for x, _ in factory_batches(n=12, batch_size=8)]
+    before = whole_state(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = recompute(model, data, num_batches=len(data), layers=layers, progress=False)
+    assert [str(w.message) for w in caught] == []
+    assert (report.not_recomputed, report.changed_buffers, report.changed_parameters) == ([], [], [])
+    assert_only_stats_changed(before, whole_state(model), ["1", "4", "9"] if layers is None else ["1"])
+
+
+@pytest.mark.main_env
+def test_a_torchvision_resnet_draws_no_warning():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).train()
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 3, 32, 32, generator=gen) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = recompute(model, data, num_batches=len(data), progress=False)
+    assert [str(w.message) for w in caught] == []
+    assert (report.not_recomputed, report.changed_buffers, report.changed_parameters) == ([], [], [])
+
+
+def _copied(values: Sequence[torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+@pytest.mark.parametrize("clamping", [False, True], ids=["well-behaved", "clamping"])
+def test_the_kept_state_copies_each_buffer_once_and_the_parameters_while_the_first_batch_runs(clamping):
+    """The memory of a pass: the model's buffers once (a buffer held by two modules once), and
+    the parameters once (a tied one once) until the first batch is checked; then released,
+    unless that batch wrote a parameter. ``benchmarks/RESULTS.md`` measures it."""
+    model = nn.Sequential(Clamping() if clamping else nn.Conv2d(3, 3, 1), Busy(), nn.BatchNorm2d(3)).train()
     model.extra = nn.Module()
-    model.extra.register_buffer("alias", model[1].running_mean)
-    state = ModelState(model, {})
-    copied = sum(b.value.numel() * b.value.element_size() for b in state.buffers.values())
-    assert copied == sum(b.numel() * b.element_size() for b in model.buffers())  # buffers() lists each once
-    kept = [tensor for _, tensor, _ in state.parameters.values()]
-    assert len(kept) == len(list(model.parameters())) and all(any(t is p for p in model.parameters()) for t in kept)
+    model.extra.register_buffer("alias", model[2].running_mean)
+    model.tied = nn.Linear(3, 3)
+    model.tied_again = nn.Linear(3, 3)
+    model.tied_again.weight = model.tied.weight
+    state = ModelState(model, module_names(list(model.named_modules())))
+    assert _copied([b.value for b in state.buffers.values()]) == _copied(list(model.buffers()))
+    copies = [p.copy for p in state.parameters.values()]
+    assert _copied([c.value for c in copies if c is not None]) == _copied(list(model.parameters()))
+    with torch.no_grad():
+        model[:3](batches(count=1)[0])
+    state.check_parameters()
+    kept = [p.copy for p in state.parameters.values() if p.copy is not None]
+    assert len(kept) == (len(list(model.parameters())) if clamping else 0)
+    assert state.written_parameters() == (["0.conv.weight"] if clamping else [])
 
 
 # --------------------------------------------------------------------------------------------

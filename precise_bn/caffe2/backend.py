@@ -150,6 +150,8 @@ class _Caffe2Pass:
     kind = "caffe2"
     budget_name = "iters"
     not_recomputed: Sequence[str] = ()
+    changed_buffers: Sequence[str] = ()
+    changed_parameters: Sequence[str] = ()
 
     def __init__(self, aux: Caffe2AuxModel):
         self.aux = aux

@@ -1,17 +1,22 @@
 """Everything the forwards of a pass may change in a PyTorch model, kept before it and put back.
 
 Training-mode forwards can change more than the BN statistics (observers, spectral norm,
-counters, new buffers or attributes). :class:`ModelState` keeps, per module, its class,
-attributes and tables of parameters, buffers and submodules; per buffer, where its data lives
-and a copy of its value; per parameter, only its ``_version`` counter: a parameter written in
-place is refused (:meth:`ModelState.check_parameters`) rather than copied, which would double a
-pass's memory. :meth:`ModelState.restore` puts every object back, points a buffer whose data
-moved back at its own storage before anything is written, then writes only the buffers whose
-bits differ. What is put back, and why: ``docs/interrupts.md``.
+counters, new buffers or attributes, a clamped weight). :class:`ModelState` keeps, per module,
+its class, attributes and tables of parameters, buffers and submodules; per buffer, where its
+data lives and a copy of its value; per parameter, its ``_version`` counter, and where its data
+lives and a copy of its value while the first batch runs. A copy of the parameters held for the
+whole pass would add the size of the model to every pass, for something forwards rarely do: so
+:meth:`ModelState.check_parameters` releases it after a first batch that wrote no parameter, and
+keeps all of it for the whole pass after one that did (any parameter may then be written on any
+batch). A parameter written only after the copy was released cannot be put back, and is refused
+(:class:`~precise_bn.ParameterChangedError`). :meth:`ModelState.restore` puts every object back,
+points a tensor whose data moved back at its own storage before anything is written, then
+writes only the buffers and kept parameters whose bits differ. What is put back, and why:
+``docs/interrupts.md``.
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -28,17 +33,42 @@ OBSERVER_SWITCHES = ("observer_enabled", "static_enabled")
 
 
 class _Buffer:
-    """One buffer tensor (however many modules hold it): where its data lives, a copy of its value."""
+    """One tensor (however many modules hold it): where its data lives, a copy of its value, and
+    the value the pass holds it at (``expected``: its own, or what :meth:`ModelState.freeze_observers`
+    set), which the forwards changed if they made it differ."""
 
     def __init__(self, tensor: torch.Tensor):
         self.place = Place(tensor)
         self.value = tensor.detach().clone()
+        self.expected = self.value
 
     def changed(self) -> bool:
-        return self.place.moved() or not same_bits(self.place.tensor, self.value)
+        return self.place.moved() or not same_bits(self.place.tensor, self.expected)
 
     def restore(self) -> None:
         self.place.put(self.value)
+
+
+class _Parameter:
+    """One parameter (however many modules hold it): its name, its ``_version`` counter, and its
+    copy while the pass keeps one (None once released, and for a parameter without a storage of
+    its own, such as FSDP2's sharded ``DTensor``: the pass runs on the full parameters, and reads
+    its counter alone)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor):
+        self.name = name
+        self.tensor = tensor
+        self.version = tensor._version
+        self.copy: Optional[_Buffer] = _Buffer(tensor) if Place(tensor).storage is not None else None
+
+    def written(self) -> bool:
+        """Whether the forwards wrote it: its counter moved or, while its copy is kept, its bits
+        differ (a write through ``.data`` moves no counter). Data that moved is no write: FSDP
+        points parameters at the gathered full ones while the pass runs, and back afterwards;
+        :meth:`_Buffer.restore` points one that is still elsewhere back at its own storage."""
+        copy = self.copy
+        return self.tensor._version != self.version or (
+            copy is not None and not copy.place.moved() and not same_bits(self.tensor, copy.value))
 
 
 class ModelState:
@@ -51,18 +81,18 @@ class ModelState:
                         for m in model.modules()]
         self._buffer_tables = {id(m): tables[1] for m, _, _, tables in self.modules}
         self.buffers: Dict[int, _Buffer] = {}
-        self.parameters: Dict[int, Tuple[str, torch.Tensor, int]] = {}
+        self.parameters: Dict[int, _Parameter] = {}
         for module in model.modules():
             for key, tensor in module._buffers.items():
                 if tensor is not None and id(tensor) not in self.buffers:
                     self.buffers[id(tensor)] = _Buffer(tensor)
             for key, tensor in module._parameters.items():
                 if tensor is not None and id(tensor) not in self.parameters:
-                    self.parameters[id(tensor)] = (self._name(module, key), tensor, tensor._version)
-
-    def _name(self, module: nn.Module, key: str) -> str:
-        prefix = self.names.get(id(module), "")
-        return prefix + "." + key if prefix else key
+                    self.parameters[id(tensor)] = _Parameter(qualified(self.names.get(id(module), ""), key), tensor)
+        #: Batches checked by :meth:`check_parameters`; whether the parameters' copy is kept for
+        #: the whole pass (the first batch wrote a parameter).
+        self.checked = 0
+        self.keep_copies = False
 
     def saved_buffers(self, module: nn.Module) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
         """``(key, tensor, value before)`` for each buffer ``module`` held when the state was kept."""
@@ -77,28 +107,51 @@ class ModelState:
                 switch = tables[1].get(key)
                 if switch is not None:
                     switch.zero_()
+                    self.buffers[id(switch)].expected = switch.detach().clone()
+
+    def written_parameters(self) -> List[str]:
+        """The names of the parameters the forwards wrote in place (see :meth:`_Parameter.written`)."""
+        return [p.name for p in self.parameters.values() if p.written()]
 
     def check_parameters(self) -> None:
-        """Raise :class:`~precise_bn.ParameterChangedError` naming every parameter written in
-        place since the state was kept (its ``_version`` counter moved)."""
-        changed = [name for name, tensor, version in self.parameters.values() if tensor._version != version]
-        if changed:
+        """After each batch. After the first: release the parameters' copy if it wrote none, else
+        keep all of it for the whole pass, so that :meth:`restore` puts back every parameter
+        written on any batch. Once the copy is released, raise
+        :class:`~precise_bn.ParameterChangedError` naming every parameter written in place since
+        (its ``_version`` counter moved): nothing can put it back."""
+        self.checked += 1
+        if self.keep_copies:
+            return
+        written = self.written_parameters()
+        if self.checked == 1:
+            if written:
+                self.keep_copies = True
+            else:
+                for parameter in self.parameters.values():
+                    parameter.copy = None
+        elif written:
             raise ParameterChangedError(
-                "the model's forward changed parameter(s) in place during the pass: {}. precise-bn keeps no "
-                "copy of the parameters, so it stops here, before writing any statistics; every buffer and "
-                "attribute was put back, but these parameters hold what the forward wrote (even if it wrote "
-                "the same values). A statistics pass should not change weights: move that change out of "
-                "forward (into the training step), or skip it when torch.is_grad_enabled() is False".format(
-                    ", ".join(changed)))
+                "the model's forward wrote parameter(s) in place during batch {} of the pass: {}. The first "
+                "batch wrote none, so the pass had released its copy of the parameters (it keeps one only "
+                "while the first batch runs, unless that batch writes one); it stops here, before writing "
+                "any statistics. Every buffer and attribute was put back and no other parameter's version "
+                "counter moved, but these parameters hold what the forward wrote (even if it wrote the same "
+                "values). {}".format(self.checked, ", ".join(written), ParameterChangedError.advice))
 
-    def changed_buffers(self, keys: Collection[str], skip: Iterable[nn.Module] = ()) -> List[Tuple[str, str]]:
-        """``(module name, key)`` of each buffer named one of ``keys`` that was replaced, removed or
-        changed since the state was kept, in the modules not in ``skip``."""
-        skipped = {id(m) for m in skip}
-        return [(self.names.get(id(module), ""), key)
-                for module, _, _, tables in self.modules if id(module) not in skipped
-                for key, tensor in tables[1].items() if tensor is not None and key in keys
-                if module._buffers.get(key) is not tensor or self.buffers[id(tensor)].changed()]
+    def changed_buffers(self, skip: Collection[int] = ()) -> List[Tuple[str, str]]:
+        """``(module name, key)`` of each buffer kept that the forwards replaced, removed or changed
+        (its data moved, or its bits differ from what the pass holds it at), each tensor once,
+        under the first module holding it; the tensors whose ``id`` is in ``skip`` left out."""
+        named = set(skip)
+        changed: List[Tuple[str, str]] = []
+        for module, _, _, tables in self.modules:
+            for key, tensor in tables[1].items():
+                if tensor is None or id(tensor) in named:
+                    continue
+                if module._buffers.get(key) is not tensor or self.buffers[id(tensor)].changed():
+                    named.add(id(tensor))
+                    changed.append((self.names.get(id(module), ""), key))
+        return changed
 
     def restore(self) -> None:
         """Put the model back as it was kept: classes, attributes, tables, buffers' values.
@@ -111,6 +164,9 @@ class ModelState:
                 _put_back(module.__dict__[name], saved)
         for buffer in self.buffers.values():
             buffer.restore()
+        for parameter in self.parameters.values():
+            if parameter.copy is not None:
+                parameter.copy.restore()
 
 
 def _put_back(table: Dict[str, Any], saved: Dict[str, Any]) -> None:
@@ -120,6 +176,11 @@ def _put_back(table: Dict[str, Any], saved: Dict[str, Any]) -> None:
     for key, value in saved.items():
         if table.get(key, _MISSING) is not value:
             table[key] = value
+
+
+def qualified(module: str, key: str) -> str:
+    """The name of ``module``'s tensor ``key``, as ``state_dict()`` spells it."""
+    return module + "." + key if module else key
 
 
 def module_names(named: Sequence[Tuple[str, nn.Module]]) -> Dict[int, str]:
