@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 import precise_bn
-from precise_bn import moments
+from precise_bn import compiled
 from precise_bn.atomic import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,9 +46,9 @@ def settle() -> None:
     sums of every form the warm-up runs measured, what a long pass does after its first batch,
     so that no compile runs during a timed run and every timed call uses the compiled sums. A
     no-op with ``PRECISE_BN_COMPILE=never``; a failed compile is logged (the eager sums then run)."""
-    moments.KERNELS.compile_seen()
-    if moments.KERNELS.failures:
-        log.warning("compiling the float64 sums failed, timing the eager ones: %s", moments.KERNELS.failures)
+    compiled.KERNELS.compile_seen()
+    if compiled.KERNELS.failures:
+        log.warning("compiling the float64 sums failed, timing the eager ones: %s", compiled.KERNELS.failures)
 
 
 @contextlib.contextmanager
@@ -66,22 +66,22 @@ def compile_policy(policy: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def eager_sums() -> Iterator[moments.Kernels]:
+def eager_sums() -> Iterator[compiled.Kernels]:
     """Inside the block every call is measured by the eager float64 operators, whatever this
-    process compiled: a fresh, empty :class:`~precise_bn.moments.Kernels` under
+    process compiled: a fresh, empty :class:`~precise_bn.compiled.Kernels` under
     ``PRECISE_BN_COMPILE=never`` (yielded, so that its ``eager_elements`` can be read)."""
-    saved = moments.KERNELS
-    moments.KERNELS = fresh = moments.Kernels()
+    saved = compiled.KERNELS
+    compiled.KERNELS = fresh = compiled.Kernels()
     try:
         with compile_policy("never"):
             yield fresh
     finally:
-        moments.KERNELS = saved
+        compiled.KERNELS = saved
 
 
 def sums_text() -> str:
     """How this process measures the float64 sums: the compile policy and what it compiled."""
-    ready = sorted(moments.kernel_name(where[:3] + (where[3].type,)) for where in moments.KERNELS.ready)
+    ready = sorted(compiled.kernel_name(where[:2] + (where[2].type,)) for where in compiled.KERNELS.ready)
     return "Float64 sums: `PRECISE_BN_COMPILE={}`; compiled sums loaded in this process: {}.".format(
         os.environ.get("PRECISE_BN_COMPILE", "auto"), ", ".join(ready) if ready else "none (eager operators)")
 

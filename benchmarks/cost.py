@@ -35,7 +35,7 @@ import compare
 import methods
 from common import FLOOR
 from methods import EAGER
-from precise_bn import moments
+from precise_bn import compiled
 
 METHODS = [FLOOR, "precise-bn", EAGER, "fvcore"]
 MODELS = ("resnet50", "mobilenet_v3_large", "r2plus1d_18")
@@ -67,18 +67,18 @@ def reach_steady_state(case: cases.Case) -> Steady:
     model, batches = case.build()
     methods.precise_default(copy.deepcopy(model), batches)
     common.settle()
-    before = moments.KERNELS.eager_elements
+    before = compiled.KERNELS.eager_elements
     methods.precise_default(copy.deepcopy(model), batches)
-    kernels = moments.KERNELS
-    return Steady(sorted(moments.kernel_name(where[:3] + (where[3].type,)) for where in kernels.ready),
+    kernels = compiled.KERNELS
+    return Steady(sorted(compiled.kernel_name(where[:2] + (where[2].type,)) for where in kernels.ready),
                   list(kernels.failures), kernels.eager_elements - before)
 
 
 def measure(case: cases.Case, reps: int) -> Tuple[methods.CaseResult, Steady]:
     steady = reach_steady_state(case)
-    before = moments.KERNELS.eager_elements
+    before = compiled.KERNELS.eager_elements
     result = methods.evaluate_case(case, METHODS, reps, clock=time.process_time)
-    steady.eager_elements_while_timed = moments.KERNELS.eager_elements - before
+    steady.eager_elements_while_timed = compiled.KERNELS.eager_elements - before
     return result, steady
 
 

@@ -37,7 +37,7 @@ from attack_cases import DTYPES, KINDS, LAYOUTS, Case, make_case  # noqa: E402
 from reference import exact_tolerance, float64_reference  # noqa: E402
 
 import precise_bn  # noqa: E402
-from precise_bn import moments  # noqa: E402
+from precise_bn import compiled  # noqa: E402
 from precise_bn.errors import PreciseBNWarning  # noqa: E402
 
 PATHS = ("eager", "compiled")
@@ -98,9 +98,9 @@ def run_case(case: Case) -> Dict[str, Outcome]:
     with common.eager_sums():
         out["eager"] = _outcome(case, (ref_mean, ref_var))
     with common.compile_policy("always"):  # a form met for the first time is compiled before it is measured
-        before = moments.KERNELS.eager_elements
+        before = compiled.KERNELS.eager_elements
         out["compiled"] = _outcome(case, (ref_mean, ref_var))
-        out["compiled"].eager_elements = moments.KERNELS.eager_elements - before
+        out["compiled"].eager_elements = compiled.KERNELS.eager_elements - before
     return out
 
 
@@ -165,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "their rounding into the buffers, in units of 1e-7.".format(count, count - 1),
     ] + ["By {}:\n\n{}".format(key, group_table(key, values, cases, outcomes)) for key, values in GROUPS] + [
         "Compiles that failed: {}. Elements the compiled runs still measured eagerly: {}.".format(
-            "; ".join(moments.KERNELS.failures) or "none", leaked),
+            "; ".join(compiled.KERNELS.failures) or "none", leaked),
     ] + (["Cases whose call raised:\n\n" + "\n".join(raised_lines(cases, outcomes))] if any(raised.values()) else []) + [
         "\n".join([
             common.target_line("every case ran and every written channel is within the promise, eager sums "
@@ -175,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                "({} outside, {} raised)".format(outside["compiled"], raised["compiled"]),
                                outside["compiled"] == 0 and raised["compiled"] == 0),
             common.target_line("the compiled runs measured every call with the compiled sums",
-                               leaked == 0 and not moments.KERNELS.failures),
+                               leaked == 0 and not compiled.KERNELS.failures),
         ]),
     ])
     common.write_section(args.out / "RESULTS.md", "attack", text)

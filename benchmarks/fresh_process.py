@@ -56,13 +56,13 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     batches = [torch.randn(batch, 3, side, side, generator=gen) for _ in range(spec["batches"])]
     out: Dict[str, Any] = {}
     if spec["method"] == PRECISE:
-        from precise_bn import moments, recompute
+        from precise_bn import compiled, recompute
 
         start, cpu = time.perf_counter(), time.process_time()
         report = recompute(model, batches, progress=False)
         out["call"], out["cpu"] = time.perf_counter() - start, time.process_time() - cpu
         out["returned"] = time.time()
-        kernels = moments.KERNELS
+        kernels = compiled.KERNELS
         out["ready"] = len(kernels.ready)
         out["compiled"] = len(kernels.compiled)
         out["prepare_seconds"] = kernels.compile_seconds

@@ -33,8 +33,7 @@ import interleaved  # noqa: E402
 import memory  # noqa: E402
 import methods  # noqa: E402
 import overhead  # noqa: E402
-from precise_bn import moments  # noqa: E402
-from precise_bn.pytorch import bn_pass  # noqa: E402
+from precise_bn import compiled  # noqa: E402
 
 pytestmark = pytest.mark.main_env
 
@@ -47,9 +46,8 @@ SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved
 def own_kernels(monkeypatch):
     """A Kernels of the test's own, so that what the benchmarks compile does not change how the
     rest of the suite measures."""
-    kernels = moments.Kernels()
-    monkeypatch.setattr(moments, "KERNELS", kernels)
-    monkeypatch.setattr(bn_pass, "KERNELS", kernels)
+    kernels = compiled.Kernels()
+    monkeypatch.setattr(compiled, "KERNELS", kernels)
     return kernels
 
 
@@ -88,7 +86,7 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernel
         assert variant in text
     # cost.py reached the steady state: its second call measured nothing eagerly.
     steady = [line for line in text.splitlines() if line.startswith("- steady state on bn_mlp: compiled ")]
-    assert len(steady) == 1 and "channels_last float32" in steady[0] and steady[0].endswith("**met**"), steady
+    assert len(steady) == 1 and "channels_last(float32, float32) on cpu" in steady[0] and steady[0].endswith("**met**"), steady
     assert "- every case ran and every written channel is within the promise, compiled sums (0 outside, 0 raised): **met**" in text
     assert "- the compiled runs measured every call with the compiled sums: **met**" in text
     assert own_kernels.ready and not own_kernels.failures
@@ -263,9 +261,9 @@ def test_eager_sums_measure_eagerly_and_put_everything_back(own_kernels, monkeyp
     model = nn.Sequential(nn.BatchNorm2d(4))
     batches = _bn_only_batches()
     with common.eager_sums() as kernels:
-        assert moments.KERNELS is kernels and kernels is not own_kernels
+        assert compiled.KERNELS is kernels and kernels is not own_kernels
         assert os.environ["PRECISE_BN_COMPILE"] == "never"
         methods.precise_default(model, batches)
         assert kernels.eager_elements == sum(x.numel() for x in batches) and not kernels.ready
-    assert moments.KERNELS is own_kernels and own_kernels.eager_elements == 0
+    assert compiled.KERNELS is own_kernels and own_kernels.eager_elements == 0
     assert os.environ["PRECISE_BN_COMPILE"] == "auto"

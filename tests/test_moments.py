@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from precise_bn import moments, recompute
+from precise_bn import compiled, moments, recompute
 from precise_bn.errors import ConfigError
 from reference import assert_close_exact, float64_reference
 
@@ -87,16 +87,16 @@ def test_the_policy_comes_from_the_environment_and_a_bad_value_is_refused(monkey
     monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
     monkeypatch.setenv("PRECISE_BN_COMPILE", "sometimes")
     with pytest.raises(ConfigError, match="PRECISE_BN_COMPILE must be auto, always or never, got 'sometimes'"):
-        moments.Kernels().sums("channels_first", torch.randn(2, 3, 4), torch.zeros(3))
+        compiled.Kernels().run("channels_first", (torch.randn(2, 3, 4), torch.zeros(3)))
     monkeypatch.setenv("PRECISE_BN_COMPILE", "never")
-    kernels = moments.Kernels()
-    kernels.sums("channels_first", torch.randn(2, 3, 4), torch.zeros(3))
+    kernels = compiled.Kernels()
+    kernels.run("channels_first", (torch.randn(2, 3, 4), torch.zeros(3)))
     kernels.expect(10 ** 15)
     kernels.compile_seen()
     assert not kernels.ready and not kernels.compiled and not list(tmp_path.iterdir())
 
 
-KEY = ("channels_first", torch.float32, torch.float32, "cpu")
+KEY = ("channels_first", (torch.float32, torch.float32), "cpu")
 
 
 @pytest.fixture
@@ -113,48 +113,48 @@ def fake_compiler(monkeypatch, tmp_path):
         calls.append(("load", key, threading.current_thread()))
         return lambda inputs: list(moments._eager(key[0], *inputs))
 
-    monkeypatch.setattr(moments, "compile_package", compile_package)
-    monkeypatch.setattr(moments, "load_package", load_package)
-    monkeypatch.setattr(moments, "_aoti", lambda: object())
+    monkeypatch.setattr(compiled, "compile_package", compile_package)
+    monkeypatch.setattr(compiled, "load_package", load_package)
+    monkeypatch.setattr(compiled, "_aoti", lambda: object())
     return calls
 
 
 def test_auto_compiles_on_the_callers_thread_only_when_the_planned_pass_pays(fake_compiler, monkeypatch, caplog):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
-    kernels = moments.Kernels()
+    kernels = compiled.Kernels()
     x = torch.randn(4, 3, 8)
-    kernels.sums("channels_first", x, torch.zeros(3))
+    kernels.run("channels_first", (x, torch.zeros(3)))
     assert fake_compiler == [] and kernels.eager_elements == 96
     per_element = kernels.eager_seconds / kernels.eager_elements
-    kernels.expect(int(moments.COMPILE_SECONDS / per_element / 2))  # half a compile's worth: stays eager
+    kernels.expect(int(compiled.COMPILE_SECONDS / per_element / 2))  # half a compile's worth: stays eager
     assert fake_compiler == []
     with caplog.at_level(logging.WARNING, logger="precise_bn"):
-        kernels.expect(int(moments.COMPILE_SECONDS / per_element * 2))
+        kernels.expect(int(compiled.COMPILE_SECONDS / per_element * 2))
     assert [(what, key) for what, key, _ in fake_compiler] == [("compile", KEY), ("load", KEY)]
     assert all(thread is threading.current_thread() for _, _, thread in fake_compiler)
     assert threading.active_count() == 1 or all(t.name != "precise-bn compile" for t in threading.enumerate())
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and re.match(r"precise-bn: compiled the float64 sums for channels_first float32 around "
-                                        r"float32 on cpu in \d+\.\d s, once for this machine \(kept in ", lines[0])
+    assert len(lines) == 1 and re.match(r"precise-bn: compiled channels_first\(float32, float32\) on cpu in "
+                                        r"\d+\.\d s, once for this machine \(kept in ", lines[0])
     before = kernels.eager_elements
-    kernels.sums("channels_first", x, torch.zeros(3))
+    kernels.run("channels_first", (x, torch.zeros(3)))
     assert kernels.eager_elements == before  # the loaded package measured it
 
 
 def test_a_package_on_disk_is_loaded_at_first_sight_whatever_the_pass(fake_compiler, monkeypatch):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "auto")
-    open(moments.package_path(KEY, torch.device("cpu")), "w").close()
-    kernels = moments.Kernels()
-    kernels.sums("channels_first", torch.randn(4, 3, 8), torch.zeros(3))
+    open(compiled.package_path(KEY, torch.device("cpu")), "w").close()
+    kernels = compiled.Kernels()
+    kernels.run("channels_first", (torch.randn(4, 3, 8), torch.zeros(3)))
     assert [(what, key) for what, key, _ in fake_compiler] == [("load", KEY)] and kernels.eager_elements == 0
     assert not kernels.compiled
 
 
 def test_always_compiles_at_first_sight(fake_compiler, monkeypatch):
     monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
-    kernels = moments.Kernels()
-    kernels.sums("channels_last", torch.randn(1, 4, 3), torch.zeros(3, dtype=torch.float64))
-    key = ("channels_last", torch.float32, torch.float64, "cpu")
+    kernels = compiled.Kernels()
+    kernels.run("channels_last", (torch.randn(1, 4, 3), torch.zeros(3, dtype=torch.float64)))
+    key = ("channels_last", (torch.float32, torch.float64), "cpu")
     assert [(what, k) for what, k, _ in fake_compiler] == [("compile", key), ("load", key)]
     assert kernels.compiled == [key]
 
@@ -162,19 +162,19 @@ def test_always_compiles_at_first_sight(fake_compiler, monkeypatch):
 def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
     monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
-    if moments._aoti() is None:
+    if compiled._aoti() is None:
         return _without_aoti(caplog)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(moments.torch._inductor, "aoti_compile_and_package", broken)
-    kernels = moments.Kernels()
+    monkeypatch.setattr(compiled.torch._inductor, "aoti_compile_and_package", broken)
+    kernels = compiled.Kernels()
     x = torch.randn(4, 3, 8)
     with caplog.at_level(logging.WARNING, logger="precise_bn"):
         for form in ("channels_first", "channels_last"):
-            kernels.sums(form, x, torch.zeros(x.shape[1 if form == "channels_first" else 2]))
-        stats, _ = kernels.sums("channels_first", x, torch.zeros(3))
+            kernels.run(form, (x, torch.zeros(x.shape[1 if form == "channels_first" else 2])))
+        stats, _ = kernels.run("channels_first", (x, torch.zeros(3)))
     assert not kernels.ready and len(kernels.failures) == 2
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["precise-bn: float64 sums run as eager operators (the same numbers, slower): compiling "
@@ -185,10 +185,10 @@ def test_a_compiler_that_fails_leaves_the_eager_sums_and_says_why_once(monkeypat
 
 def _without_aoti(caplog):
     """torch 1.10: short passes stay eager silently; a pass long enough to pay says why, once."""
-    kernels = moments.Kernels()
+    kernels = compiled.Kernels()
     x = torch.randn(4, 3, 8)
     with caplog.at_level(logging.WARNING, logger="precise_bn"):
-        stats, _ = kernels.sums("channels_first", x, torch.zeros(3))
+        stats, _ = kernels.run("channels_first", (x, torch.zeros(3)))
         assert not caplog.records
         kernels.expect(10 ** 15)
         kernels.expect(10 ** 15)
@@ -203,8 +203,8 @@ def _without_aoti(caplog):
 def test_an_interrupted_compile_leaves_no_file_and_the_model_as_it_was(monkeypatch, tmp_path):
     monkeypatch.setenv("PRECISE_BN_CACHE", str(tmp_path))
     monkeypatch.setenv("PRECISE_BN_COMPILE", "always")
-    monkeypatch.setattr(moments, "_aoti", lambda: types.SimpleNamespace(aoti_compile_and_package=interrupted))
-    monkeypatch.setattr(moments, "KERNELS", moments.Kernels())
+    monkeypatch.setattr(compiled, "_aoti", lambda: types.SimpleNamespace(aoti_compile_and_package=interrupted))
+    monkeypatch.setattr(compiled, "KERNELS", compiled.Kernels())
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(KeyboardInterrupt):
@@ -219,10 +219,10 @@ def interrupted(program, package_path, inductor_configs):
     raise KeyboardInterrupt
 
 
-needs_aoti = pytest.mark.skipif(moments._aoti() is None, reason="AOTInductor came with torch 2.6")
+needs_aoti = pytest.mark.skipif(compiled._aoti() is None, reason="AOTInductor came with torch 2.6")
 #: What the compiled tests compile: every form, for the dtypes a model's activations have and the
 #: shift dtypes its buffers have.
-COMPILED = [(form, dtype, shift_dtype, "cpu") for form in moments.FORM_NAMES
+COMPILED = [(form, (dtype, shift_dtype), "cpu") for form in moments.FORM_NAMES
             for dtype, shift_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                        (torch.float16, torch.float32), (torch.float64, torch.float64))]
 
@@ -233,7 +233,7 @@ def compiled_kernels():
     kept in the run's cache (tests/conftest.py), where the benchmarks' quick runs find them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PRECISE_BN_COMPILE", "auto")
-        kernels = moments.Kernels()
+        kernels = compiled.Kernels()
         kernels.cache = os.environ["PRECISE_BN_CACHE"]
         for key in COMPILED:
             kernels.compile_ahead([key], torch.device("cpu"))
@@ -243,13 +243,13 @@ def compiled_kernels():
 @needs_aoti
 def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kernels, monkeypatch):
     assert not compiled_kernels.failures, compiled_kernels.failures
-    assert sorted(compiled_kernels.ready, key=str) == sorted([k[:3] + (torch.device("cpu"),) for k in COMPILED], key=str)
-    monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
+    assert sorted(compiled_kernels.ready, key=str) == sorted([k[:2] + (torch.device("cpu"),) for k in COMPILED], key=str)
+    monkeypatch.setattr(compiled, "KERNELS", compiled_kernels)
     tried = 0
     for x in _inputs():
         form, view = moments.view_for_sums(x)
         for name, shift in _shifts(x).items():
-            run = compiled_kernels.ready.get((form, view.dtype, shift.dtype, x.device))
+            run = compiled_kernels.ready.get((form, (view.dtype, shift.dtype), x.device))
             if run is None:
                 continue
             tried += 1
@@ -267,7 +267,7 @@ def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kerne
 @needs_aoti
 def test_the_compiled_sums_do_not_depend_on_the_callers_state(compiled_kernels, monkeypatch):
     """Autocast, grad mode, deterministic mode and thread count: the package runs as compiled."""
-    monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
+    monkeypatch.setattr(compiled, "KERNELS", compiled_kernels)
     x = torch.randn(6, 4, 5, 5) * 3 + 1e3
     want = moments._eager("channels_first", x.view(6, 4, -1), torch.full((4,), 1e3))[0]
     threads = torch.get_num_threads()
@@ -287,7 +287,7 @@ def test_the_compiled_sums_do_not_depend_on_the_callers_state(compiled_kernels, 
 
 @needs_aoti
 def test_a_pass_with_compiled_sums_writes_the_float64_statistics(compiled_kernels, monkeypatch):
-    monkeypatch.setattr(moments, "KERNELS", compiled_kernels)
+    monkeypatch.setattr(compiled, "KERNELS", compiled_kernels)
     gen = torch.Generator().manual_seed(3)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.BatchNorm1d(4 * 36))
     data = [(torch.randn(5, 3, 8, 8, generator=gen) * 50 + 1e3).contiguous(memory_format=torch.channels_last)
@@ -309,13 +309,13 @@ def test_a_fresh_process_loads_the_package_and_leaves_nothing_running(compiled_k
     script = textwrap.dedent("""
         import threading, torch
         from torch import nn
-        from precise_bn import moments, recompute
+        from precise_bn import compiled, moments, recompute
         torch.set_num_threads(1)
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
         before = set(threading.enumerate())
         recompute(model, [torch.randn(2, 3, 8, 8) for _ in range(3)], progress=False)
-        print(sorted(str(where[1]) for where in moments.KERNELS.ready), moments.KERNELS.eager_elements,
-              moments.KERNELS.compiled, len(set(threading.enumerate()) - before))
+        print(sorted(str(where[1][0]) for where in compiled.KERNELS.ready), compiled.KERNELS.eager_elements,
+              compiled.KERNELS.compiled, len(set(threading.enumerate()) - before))
     """)
     env = dict(os.environ, PRECISE_BN_COMPILE="auto", PRECISE_BN_CACHE=compiled_kernels.cache)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)

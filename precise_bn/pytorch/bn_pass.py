@@ -10,7 +10,7 @@ docs/ARCHITECTURE.md ("One call, start to end") and docs/interrupts.md.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -20,15 +20,19 @@ from ..buffers import Stats, round_to
 from ..data import count_samples, describe, move_to_device, recognised, smart_forward
 from ..errors import BatchError
 from ..estimator import PopulationStats
-from ..moments import KERNELS
+from .. import compiled
 from ..options import ForwardFn, Options
 from ..report import BNReport
 from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
-from .capture import CallCapture, flush
-from .layers import NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model
-from .model_state import ModelState, module_names
+from .capture import CallCapture, flush, merge_due
+from .claims import claim, release
+from .layers import NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model, warn_if_split_bn
+from .model_state import ModelState, module_names, qualified
 from .sharding import FullParameters
+
+_RUNNING = ("running_mean", "running_var")
+_BN_STATISTICS = _RUNNING + ("num_batches_tracked",)
 
 
 class BNPass:
@@ -44,6 +48,10 @@ class BNPass:
 
     kind = "float64"
     label = "precise-bn"
+    #: Known once :meth:`running` is left, all put back: each buffer other than the BN layers'
+    #: statistics that the forwards changed, and each parameter they wrote in place (by name).
+    changed_buffers: Sequence[str] = ()
+    changed_parameters: Sequence[str] = ()
 
     def __init__(self, model: nn.Module, opts: Options, forward: ForwardFn = smart_forward, *,
                  budget_name: str = "num_batches", explain_batches: Optional[bool] = None):
@@ -85,12 +93,16 @@ class BNPass:
         return no_layer_message(self.model)
 
     def attach(self) -> None:
-        """Keep the model's state and attach a capture to each chosen layer (one critical
-        section), then gather FSDP's full parameters; on failure, everything is put back."""
+        """Claim the model's modules (refused while another pass runs on any of them), keep the
+        model's state and attach a capture to each chosen layer (one critical section), then
+        gather FSDP's full parameters; on failure, everything is put back."""
         assert self.sharding is not None
+        warn_if_split_bn(self.model, self.layers)
+        names = module_names(named_modules(self.model))
         try:
             with critical(), torch.no_grad():
-                self.state = ModelState(self.model, module_names(named_modules(self.model)))
+                claim(self, self.model, names)  # before the state: another pass's would be kept
+                self.state = ModelState(self.model, names)
                 self.state.freeze_observers()  # the forwards quantize as the model will afterwards
                 for capture, (_, module) in zip(self.captures, self.layers):
                     self._attached.append((capture, module))
@@ -112,7 +124,8 @@ class BNPass:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """No autograd, and ``torch.autocast`` on the model's device when asked; left once the
-        batches are over, it finds the functional ``batch_norm`` calls (:attr:`not_recomputed`).
+        batches are over, it names what the forwards changed besides the measured statistics
+        (:attr:`not_recomputed`, :attr:`changed_buffers`, :attr:`changed_parameters`).
 
         A generator, so that nothing is switched before the caller's ``with`` enters it, and
         a block left without its ``__exit__`` (a signal handled just before it) still switches
@@ -127,16 +140,28 @@ class BNPass:
             autocast = torch.autocast(device_type=tensor.device.type, **kwargs)
         with torch.no_grad(), autocast:
             yield
-        self.not_recomputed = self._functional_bn()
-
-    def _functional_bn(self) -> List[str]:
-        """Modules other than BN layers whose ``running_mean`` or ``running_var`` the forwards
-        changed: a functional ``batch_norm`` call on their buffers, which the captures do not see."""
         assert self.state is not None
-        bn = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+        changed = self.state.changed_buffers(skip=self._bn_statistics())
+        self.not_recomputed = self._functional_bn(changed)
+        self.changed_buffers = [qualified(name, key) for name, key in changed if key not in _RUNNING]
+        self.changed_parameters = self.state.written_parameters()
+
+    def _bn_statistics(self) -> Set[int]:
+        """The BN layers' own statistics, which no report names: the chosen layers' are what the
+        pass measures, and the others' (layers left out by ``layers``) theirs to change in
+        training mode; ``num_batches_tracked`` included."""
+        assert self.state is not None
+        return {id(tensor) for module, _, _, _ in self.state.modules if isinstance(module, _BatchNorm)
+                for key, tensor, _ in self.state.saved_buffers(module) if key in _BN_STATISTICS}
+
+    @staticmethod
+    def _functional_bn(changed: Sequence[Tuple[str, str]]) -> List[str]:
+        """The modules among ``changed`` (``(module name, key)``, BN layers' statistics left out)
+        whose ``running_mean`` or ``running_var`` the forwards changed: a functional
+        ``batch_norm`` call on their buffers, which the captures do not see."""
         names: List[str] = []
-        for name, _ in self.state.changed_buffers(("running_mean", "running_var"), skip=bn):
-            if name not in names:
+        for name, key in changed:
+            if key in _RUNNING and name not in names:
                 names.append(name)
         return names
 
@@ -160,8 +185,9 @@ class BNPass:
         assert self.state is not None
         self.state.check_parameters()
         self._batches += 1
+        merge_due(self.captures)
         if self._batches == 1 and self.planned is not None:
-            KERNELS.expect(sum(c.elements for c in self.captures) * self.planned)
+            compiled.KERNELS.expect(sum(c.elements for c in self.captures) * (self.planned - 1))
         return count_samples(batch)
 
     def plan(self, batches: Optional[int]) -> None:
@@ -189,11 +215,12 @@ class BNPass:
             self.sharding.restore()
 
     def restore(self) -> None:
-        """Put the model back exactly as it was (idempotent)."""
+        """Put the model back exactly as it was (idempotent), then let other passes claim it."""
         with critical(), torch.no_grad():
             self._detach()
             if self.state is not None:
                 self.state.restore()
+            release(self)
 
     def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
         """Put the model back and write ``results`` (float64 ``(mean, var)`` per layer, None to
@@ -215,6 +242,7 @@ class BNPass:
                     if result is not None:
                         module.running_mean.copy_(round_to(result[0], module.running_mean.dtype))
                         module.running_var.copy_(round_to(result[1], module.running_var.dtype))
+            release(self)  # once written: a claim taken before would keep the state from before
 
         write(change, self.restore)
         self.written = report.snapshot = Snapshot(

@@ -89,8 +89,8 @@ class _Block:
 
 
 # Each batch_norm's positional arguments, as far as the ones read here.
-_BATCH_NORMS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training"),
-                torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training")}
+_BATCH_NORMS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum"),
+                torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum")}
 
 
 class _Slot(torch.Tensor):
@@ -101,7 +101,9 @@ class _Slot(torch.Tensor):
     subclass dispatch off and back on in one step, which no exception can split (a Python
     ``with`` block can be left between the two)."""
 
-    seen: List[torch.Tensor]
+    #: Each training-mode call's input, and whether it wrote its batch mean into the slot whole
+    #: (momentum 1).
+    seen: List[Tuple[torch.Tensor, bool]]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -110,7 +112,7 @@ class _Slot(torch.Tensor):
             named = dict(zip(_BATCH_NORMS[func], args), **kwargs)
             slot = named.get("running_mean")
             if isinstance(slot, _Slot) and named.get("training"):
-                slot.seen.append(named["input"])
+                slot.seen.append((named["input"], named.get("momentum", 0.1) == 1.0))
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
 
@@ -128,20 +130,22 @@ class CallCapture:
         self.block_calls = block_calls or calls_per_block(stats.num_channels)
         self.elements = 0
         self._blocks: Dict[torch.device, _Block] = {}
-        self._slots: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Per device: the running mean and variance handed to the kernel, and a plain tensor on
+        #: the mean's memory (the shift; for a subclass, its slot seen without the recording).
+        self._slots: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.saved_class: Optional[type] = None
         self.saved_momentum: Optional[float] = None
         self.saved_training = True
 
-    def _slot_for(self, device: torch.device, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _slot_for(self, device: torch.device, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slot = self._slots.get(device)
         if slot is None:
-            mean = torch.zeros(like.shape, dtype=like.dtype, device=device)
+            plain = mean = torch.zeros(like.shape, dtype=like.dtype, device=device)
             if self.saved_class not in _PLAIN_BN:
-                mean = mean.as_subclass(_Slot)
+                mean = plain.as_subclass(_Slot)
                 mean.seen = []
-            slot = self._slots[device] = (mean, torch.ones(like.shape, dtype=like.dtype, device=device))
+            slot = self._slots[device] = (mean, torch.ones(like.shape, dtype=like.dtype, device=device), plain)
         return slot
 
     def attach(self, module: _BatchNorm) -> None:
@@ -174,20 +178,23 @@ class CallCapture:
         kwargs: Dict[str, Any],
     ) -> Any:
         if direct and not args and not kwargs:
-            mean, var = self._slots.get(x.device) or self._slot_for(x.device, module.running_mean)
+            mean, var, _ = self._slots.get(x.device) or self._slot_for(x.device, module.running_mean)
             module._check_input_dim(x)
             out = F.batch_norm(x, mean, var, module.weight, module.bias, True, 1.0, module.eps)
             self._add(x, mean)
             return out
         with self._lock:  # a subclass's calls are recorded on the slot, one per device
-            mean, var = self._slot_for(x.device, module.running_mean)
+            mean, var, plain = self._slot_for(x.device, module.running_mean)
             assert isinstance(mean, _Slot)
             self._point_at(module, mean, var)
             mean.seen = []
             out = forward(module, x, *args, **kwargs)
-            for normalised in mean.seen or [x]:
-                self._add(normalised, None)
-            mean.seen = []
+            seen, mean.seen = mean.seen, []
+            for i, (normalised, whole) in enumerate(seen):
+                # The last call's batch mean is still in the slot: the shift, for free.
+                self._add(normalised, plain if whole and i == len(seen) - 1 else None)
+            if not seen:
+                self._add(x, None)
             return out
 
     def _add(self, x: torch.Tensor, shift: Optional[torch.Tensor]) -> None:
