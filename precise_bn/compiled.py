@@ -177,11 +177,6 @@ def load_package(key: Key, device: torch.device, path: str) -> Run:
     return run
 
 
-def _modes_on() -> bool:
-    """Whether a torch function mode is active: it must see the eager operators."""
-    return torch._C._is_torch_function_mode_enabled()
-
-
 class Kernels:
     """The process's compiled programs; :meth:`run` calls one where it is loaded, its eager
     form before.
@@ -203,13 +198,16 @@ class Kernels:
         self._seen: Dict[Where, Key] = {}
         self._given_up: Set[Key] = set()
         self._lock = threading.Lock()  # DataParallel's threads may see a new program together
+        self._subclasses: Set[type] = set()
 
     def run(self, name: str, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """``name``'s outputs for ``inputs`` (their first one says the device and the elements)."""
         where = (name, tuple(t.dtype for t in inputs), inputs[0].device)
         run = self.ready.get(where)
-        if run is not None and type(inputs[0]) is torch.Tensor and not _modes_on():
-            return run(list(inputs))
+        if run is not None:
+            if type(inputs[0]) is torch.Tensor:
+                return run(list(inputs))
+            self._note_subclass(type(inputs[0]))
         if where not in self._seen:
             with self._lock:
                 if where not in self._seen:
@@ -282,6 +280,12 @@ class Kernels:
             self.compiled.append(key)
             logger.warning("precise-bn: compiled %s in %.1f s, once for this machine (kept in %s)",
                            kernel_name(key), seconds, os.path.dirname(path))
+
+    def _note_subclass(self, kind: type) -> None:
+        if kind not in self._subclasses:
+            self._subclasses.add(kind)
+            logger.warning("precise-bn: inputs of type %s, a tensor subclass that compiled code cannot read, "
+                           "are measured by eager operators (the same numbers, slower)", kind.__name__)
 
     def _fail(self, why: str) -> None:
         if not self.failures:

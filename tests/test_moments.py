@@ -266,7 +266,8 @@ def test_the_compiled_sums_agree_with_the_eager_ones_for_any_size(compiled_kerne
 
 @needs_aoti
 def test_the_compiled_sums_do_not_depend_on_the_callers_state(compiled_kernels, monkeypatch):
-    """Autocast, grad mode, deterministic mode and thread count: the package runs as compiled."""
+    """Autocast, grad mode, deterministic mode, a torch function mode and thread count: the
+    package runs as compiled."""
     monkeypatch.setattr(compiled, "KERNELS", compiled_kernels)
     x = torch.randn(6, 4, 5, 5) * 3 + 1e3
     want = moments._eager("channels_first", x.view(6, 4, -1), torch.full((4,), 1e3))[0]
@@ -275,7 +276,7 @@ def test_the_compiled_sums_do_not_depend_on_the_callers_state(compiled_kernels, 
     try:
         torch.set_num_threads(2)
         torch.use_deterministic_algorithms(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad(), torch.device("cpu"):
             before = compiled_kernels.eager_elements
             got = moments.measure(x.requires_grad_(), torch.full((4,), 1e3))
     finally:
@@ -283,6 +284,25 @@ def test_the_compiled_sums_do_not_depend_on_the_callers_state(compiled_kernels, 
         torch.use_deterministic_algorithms(deterministic)
     assert compiled_kernels.eager_elements == before
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+@needs_aoti
+def test_a_tensor_subclass_is_measured_eagerly_and_said_once(compiled_kernels, monkeypatch, caplog):
+    monkeypatch.setattr(compiled, "KERNELS", compiled_kernels)
+    x = (torch.randn(4, 3, 5, 5) + 7).as_subclass(_Marked)
+    before = compiled_kernels.eager_elements
+    with caplog.at_level(logging.WARNING, logger="precise_bn"):
+        for _ in range(2):
+            stats = moments.measure(x, torch.full((3,), 7.0))
+    assert compiled_kernels.eager_elements - before == 2 * x.numel()
+    assert [r.getMessage() for r in caplog.records] == [
+        "precise-bn: inputs of type _Marked, a tensor subclass that compiled code cannot read, are measured by "
+        "eager operators (the same numbers, slower)"]
+    _assert_exact(stats.as_subclass(torch.Tensor), x.as_subclass(torch.Tensor), "subclass")
 
 
 @needs_aoti
