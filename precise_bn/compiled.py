@@ -226,9 +226,8 @@ class Kernels:
     def _first_sight(self, where: Where) -> None:
         self._seen[where] = (where[0], where[1], where[2].type)
         choice = policy()
-        if choice == "never" or _aoti() is None:
-            return
-        if choice == "always" or os.path.exists(package_path(self._seen[where], where[2])):
+        if choice == "always" or (choice == "auto" and _aoti() is not None
+                                  and os.path.exists(package_path(self._seen[where], where[2]))):
             self._prepare(where)
 
     def expect(self, elements: int) -> None:
