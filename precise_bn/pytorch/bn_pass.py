@@ -192,7 +192,7 @@ class BNPass:
 
     def plan(self, batches: Optional[int]) -> None:
         """The pass expects about ``batches`` batches (None: unknown): with the first batch's
-        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.moments.Kernels.expect`)."""
+        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.compiled.Kernels.expect`)."""
         self.planned = batches
 
     def collect(self) -> List[PopulationStats]:
