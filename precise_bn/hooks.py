@@ -19,6 +19,7 @@ from torch import nn
 from .distributed import get_world_size, resolve_sync
 from .errors import ConfigError
 from .options import Options, own_arguments, positive_int
+from .pytorch.layers import no_layer_message, unwrap_model
 from .report import BNReport
 from .signals import all_or_nothing, write
 from .step_cache import CachedRecomputations, StepCache
@@ -176,8 +177,7 @@ class PreciseBNHook(CachedRecomputations):
             return None
         if self.cache.value is None and not self.job.layer_names():
             if self.logger is not None:
-                self.logger.warning("precise-bn: %s has no BatchNorm layer to recompute; the hook is off",
-                                    type(self.model).__name__)
+                self.logger.warning("precise-bn: %s; the hook is off", no_layer_message(unwrap_model(self.model)))
             self.enabled = False
             return None
         done = self.cache.recomputations

@@ -308,3 +308,23 @@ def test_forget_makes_the_same_step_and_weights_recompute():
     hook.before_checkpoint(1)
     assert hook.recomputations == 2
     assert_same_stats(bn_stats(model), expected_stats(model, batches[2:4]))
+
+
+def test_a_hook_on_a_model_of_frozen_bn_says_so_and_turns_off(caplog):
+    class FrozenBatchNorm2d(nn.Module):  # torchvision's, as far as the hook sees: fixed statistics as buffers
+        def __init__(self, channels):
+            super().__init__()
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                self.register_buffer(name, torch.ones(channels))
+
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), FrozenBatchNorm2d(4))
+    hook = PreciseBNHook(model, make_batches(2), num_batches=2, logger=logging.getLogger("some.framework"))
+    with caplog.at_level(logging.WARNING):
+        assert hook.before_eval(1) is None and hook.before_eval(2) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "some.framework"]
+    assert len(lines) == 1 and lines[0].startswith("precise-bn: Sequential has no BatchNorm layer; its 1 "
+                                                   "FrozenBatchNorm2d layer holds fixed statistics"), lines
+    assert lines[0].endswith("; the hook is off") and not hook.enabled
