@@ -460,15 +460,17 @@ def test_running_buffers_that_are_disjoint_views_of_one_tensor_are_accepted():
 
 
 class FunctionalBN(nn.Module):
-    """Batch norm by hand on its own buffers: no BN module for the pass to see."""
+    """Batch norm by hand on its own buffers, named ``names``: no BN module for the pass to see."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, names=("running_mean", "running_var")):
         super().__init__()
-        self.register_buffer("running_mean", torch.zeros(channels))
-        self.register_buffer("running_var", torch.ones(channels))
+        self.names = names
+        self.register_buffer(names[0], torch.zeros(channels))
+        self.register_buffer(names[1], torch.ones(channels))
 
     def forward(self, x):
-        return F.batch_norm(x, self.running_mean, self.running_var, training=self.training)
+        mean, var = (getattr(self, name) for name in self.names)
+        return F.batch_norm(x, mean, var, training=self.training)
 
 
 def test_a_functional_batch_norm_is_named_in_one_warning_and_the_report_and_put_back():
@@ -486,21 +488,9 @@ def test_a_functional_batch_norm_is_named_in_one_warning_and_the_report_and_put_
     assert_only_stats_changed(before, whole_state(model), ["3"])
 
 
-class RenamedFunctionalBN(nn.Module):
-    """The same, on buffers with names of their own."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.register_buffer("fn_mean", torch.zeros(channels))
-        self.register_buffer("fn_var", torch.ones(channels))
-
-    def forward(self, x):
-        return F.batch_norm(x, self.fn_mean, self.fn_var, training=self.training)
-
-
 def test_a_functional_batch_norm_on_buffers_named_otherwise_is_named_in_one_warning_and_the_report_and_put_back():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), RenamedFunctionalBN(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).train()
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), FunctionalBN(4, ("fn_mean", "fn_var")), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).train()
     before = whole_state(model)
     report, named = put_back_warnings(lambda: recompute(model, batches(), progress=False))
     assert report.changed_buffers == ["1.fn_mean", "1.fn_var"] and report.not_recomputed == []
@@ -512,7 +502,7 @@ def test_a_functional_batch_norm_on_buffers_named_otherwise_is_named_in_one_warn
 
 def test_everything_the_forwards_changed_is_named_in_one_warning():
     torch.manual_seed(0)
-    model = nn.Sequential(Clamping(), FunctionalBN(3), RenamedFunctionalBN(3), Busy(), nn.BatchNorm2d(3)).train()
+    model = nn.Sequential(Clamping(), FunctionalBN(3), FunctionalBN(3, ("fn_mean", "fn_var")), Busy(), nn.BatchNorm2d(3)).train()
     before = whole_state(model)
     report, named = put_back_warnings(lambda: recompute(model, batches(), progress=False))
     assert (report.not_recomputed, report.changed_buffers, report.changed_parameters) == (
