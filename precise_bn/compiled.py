@@ -21,7 +21,7 @@ import platform
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
 
 import torch
 
@@ -224,11 +224,12 @@ class Kernels:
             self.eager_seconds += time.perf_counter() - start
 
     def _first_sight(self, where: Where) -> None:
-        self._seen[where] = (where[0], where[1], where[2].type)
+        key = self._seen[where] = (where[0], where[1], where[2].type)
         choice = policy()
-        if choice == "always" or (choice == "auto" and _aoti() is not None
-                                  and os.path.exists(package_path(self._seen[where], where[2]))):
-            self._prepare(where)
+        # The file first: importing torch's compiler takes about a second, for nothing if it is absent.
+        if choice == "always" or (choice == "auto" and os.path.exists(package_path(key, where[2]))
+                                  and _aoti() is not None):
+            self._prepare(where, key)
 
     def expect(self, elements: int) -> None:
         """A pass is about to run about ``elements`` more elements through the programs seen so
@@ -254,9 +255,8 @@ class Kernels:
             for where, key in self._missing():
                 self._prepare(where, key)
 
-    def _prepare(self, where: Where, key: Optional[Key] = None) -> None:
-        """Load ``where``'s package, compiling it first if it is not on disk."""
-        key = key or self._seen[where]
+    def _prepare(self, where: Where, key: Key) -> None:
+        """Load ``where``'s package (``key``), compiling it first if it is not on disk."""
         self._seen[where] = key
         if key in self._given_up:
             return
