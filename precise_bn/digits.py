@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import ConfigError
+
 DATA_FILE = Path(__file__).with_name("digits.npz")
 BATCH_SIZE = 32
 LEARNING_RATE = 0.1
@@ -40,23 +42,36 @@ def _images(pixels: Tensor) -> Tensor:
     return pixels.float().unsqueeze(1) / 16.0
 
 
-def make_model() -> nn.Module:
-    """A small CNN for 8x8 digits with four BatchNorm layers (three 2d, one 1d)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1, bias=False),
-        nn.BatchNorm2d(16),
+class _DigitsCNN(nn.Sequential):
+    """Casts its input to its parameters' dtype: float32 images feed a float64 copy unchanged
+    (the pixels, multiples of 1/16, are exact in both)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(self[0].weight.dtype))
+
+
+def make_model(dtype: str = "float32") -> nn.Module:
+    """A small CNN for 8x8 digits with four BatchNorm layers (three 2d, one 1d), its parameters
+    and buffers in ``dtype`` (a name, so that ``--model-kwargs`` can give it; the demo's is
+    ``"float64"``)."""
+    if dtype not in ("float32", "float64"):
+        raise ConfigError("make_model(dtype={!r}): expected 'float32' or 'float64'".format(dtype))
+    kind = {"dtype": getattr(torch, dtype)}  # drawn in this dtype: a cast would keep a float32 kernel's last bits
+    return _DigitsCNN(
+        nn.Conv2d(1, 16, 3, padding=1, bias=False, **kind),
+        nn.BatchNorm2d(16, **kind),
         nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False),
-        nn.BatchNorm2d(32),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False, **kind),
+        nn.BatchNorm2d(32, **kind),
         nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False),
-        nn.BatchNorm2d(64),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False, **kind),
+        nn.BatchNorm2d(64, **kind),
         nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(64 * 2 * 2, 64, bias=False),
-        nn.BatchNorm1d(64),
+        nn.Linear(64 * 2 * 2, 64, bias=False, **kind),
+        nn.BatchNorm1d(64, **kind),
         nn.ReLU(),
-        nn.Linear(64, 10),
+        nn.Linear(64, 10, **kind),
     )
 
 

@@ -5,6 +5,9 @@ digits, saves a checkpoint, recalibrates it through :func:`precise_bn.cli.job.re
 (the code path of ``precise-bn recompute``, on files in a temporary folder), and evaluates both
 checkpoints on the held-out digits. It needs torch alone.
 
+The network runs in float64 throughout, so that its printed figures are the same on any CPU:
+docs/cli.md gives the measured margin.
+
 What it measures: a BN layer's running stats after training are an exponential moving average
 (momentum 0.1, so mostly the last ~10 batches) of batch stats taken while the weights were
 still moving; the recomputed ones are the population stats of the final weights over the
@@ -14,6 +17,7 @@ moved at the end: the demo prints what it finds, whichever way it goes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import tempfile
@@ -32,10 +36,11 @@ from .job import recompute_checkpoint
 
 DEFAULT_STEPS = 300
 MODEL_SPEC = "precise_bn.digits:make_model"
+MODEL_KWARGS = {"dtype": "float64"}
 
 
 def _load(path: str) -> nn.Module:
-    model = make_model()
+    model = make_model(**MODEL_KWARGS)
     model.load_state_dict(torch.load(path, map_location="cpu")["model"])
     return model
 
@@ -72,7 +77,7 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], quiet: bool) -> Dem
     started = time.perf_counter()
     train_x, train_y, test_x, test_y = load_digits()
     torch.manual_seed(seed)
-    model = train(make_model(), train_x, train_y, steps=steps, batch_size=BATCH_SIZE, seed=seed)
+    model = train(make_model(**MODEL_KWARGS), train_x, train_y, steps=steps, batch_size=BATCH_SIZE, seed=seed)
     trained = time.perf_counter()
     print(
         "precise-bn demo: bundled digits, {} training / {} held-out images; CNN with 4 BatchNorm "
@@ -92,9 +97,11 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], quiet: bool) -> Dem
         trust = not SAFE_LOAD_AVAILABLE
         # Pasted as printed, it writes the same bits again: one thread, as here, and over the
         # output this run wrote.
-        command = "OMP_NUM_THREADS=1 precise-bn recompute {} --model {} --data {} --num-samples {} --batch-size {} " \
-                  "--overwrite{}".format(shlex.quote(checkpoint), MODEL_SPEC, shlex.quote("npz:{}:x".format(data)),
-                                         len(train_x), BATCH_SIZE, " --trust-checkpoint" if trust else "")
+        command = "OMP_NUM_THREADS=1 precise-bn recompute {} --model {} --model-kwargs {} --data {} --num-samples {} " \
+                  "--batch-size {} --overwrite{}".format(
+                      shlex.quote(checkpoint), MODEL_SPEC, shlex.quote(json.dumps(MODEL_KWARGS)),
+                      shlex.quote("npz:{}:x".format(data)), len(train_x), BATCH_SIZE,
+                      " --trust-checkpoint" if trust else "")
         if workdir is None:
             command = "the recompute command on files in a temporary folder, deleted at the end (precise-bn demo " \
                       "--workdir DIR keeps them and shows the command)"
@@ -103,6 +110,7 @@ def _run_demo(steps: int, seed: int, workdir: Optional[str], quiet: bool) -> Dem
             checkpoint,
             MODEL_SPEC,
             "npz:{}:x".format(data),
+            model_kwargs=MODEL_KWARGS,
             num_samples=len(train_x),
             batch_size=BATCH_SIZE,
             trust=trust,
