@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import ConfigError
-from .precision import TAIL_LIMIT
+from .precision import t_tail
 from .report import BNReport, LayerReport, counted
 
 #: Default tolerance: the mean within 5% of the std, the variance within 10% of itself (the
@@ -32,15 +32,10 @@ DEFAULT_TOLERANCE = (0.05, 0.1)
 DEFAULT_ALPHA = 0.01
 #: The standard error of a difference between two estimates of similar precision: sqrt(2) times either's.
 PAIRED = math.sqrt(2.0)
-#: Degrees of freedom beyond which the test uses this many: heavier tails than the calls give,
-#: so never a false alarm more, and a bound on the continued fraction's length.
-MAX_DOF = 100000.0
-#: Calls a layer's standard errors must rest on before its channels can be said to fit: at
-#: ``MIN_CALLS - 1`` degrees of freedom a squared standard error of normal data has a relative
-#: spread ``sqrt(2 / dof)`` of TAIL_LIMIT (the precision module's bar for trusting one), and
-#: below it t's far tails, which Holm's thresholds reach, leave a test blind to large drifts
-#: (docs/check.md, "Too little data"). Fewer calls can still show a layer stale, never that it fits.
-MIN_CALLS = 1 + int(2.0 / TAIL_LIMIT ** 2)
+#: Calls a layer must run before its channels can be said to fit: below 8 degrees of freedom
+#: t's far tails, where Holm's thresholds lie, swallow large drifts (docs/check.md, "Too little
+#: data"). Fewer calls can still show a layer stale, never that it fits.
+MIN_CALLS = 9
 STATISTICS = ("mean", "var")
 
 
@@ -66,45 +61,6 @@ class Rule:
 
 def _real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _continued_fraction(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The continued fraction of the incomplete beta function (modified Lentz), for
-    ``x < (a + 1) / (a + b + 2)``, where it converges in about ``sqrt(max(a, b))`` terms."""
-    tiny = 1e-300
-    c = torch.ones_like(x)
-    d = 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
-    h = d.clone()
-    for m in range(1, 10000):
-        for coefficient in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
-                            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
-            d = 1.0 + coefficient * d
-            d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
-            c = 1.0 + coefficient / c
-            c = torch.where(c.abs() < tiny, torch.full_like(c, tiny), c)
-            step = d * c
-            h = h * step
-        if not bool(((step - 1.0).abs() > 1e-12).any()):
-            break
-    return h
-
-
-def t_tail(t: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
-    """``P(T > t)`` for Student's t with ``dof`` degrees of freedom, float64, accurate to the
-    last digits far into the tail: ``I_x(dof/2, 1/2) / 2`` with ``x = dof / (dof + t^2)``."""
-    t, dof = torch.broadcast_tensors(t.double(), dof.double())
-    square = t * t
-    x = dof / (dof + square)
-    rest = 1.0 / (1.0 + dof / square)  # 1 - x without cancellation, 1 at t = +-inf
-    a, b = dof / 2.0, torch.full_like(dof, 0.5)
-    swap = x > (a + 1.0) / (a + b + 2.0)
-    p, q = torch.where(swap, b, a), torch.where(swap, a, b)
-    u, v = torch.where(swap, rest, x), torch.where(swap, x, rest)
-    log_front = torch.lgamma(p + q) - torch.lgamma(p) - torch.lgamma(q) + p * torch.log(u) + q * torch.log(v)
-    part = torch.exp(log_front) * _continued_fraction(p, q, u) / p
-    half = 0.5 * torch.where(swap, 1.0 - part, part)
-    return torch.where(t >= 0, half, 1.0 - half)
 
 
 def holm(p: torch.Tensor) -> torch.Tensor:
@@ -279,7 +235,7 @@ def _tests(layer: LayerReport, rule: Rule) -> Tests:
     mean_tol, var_tol = rule.tolerance
     bounds = {"mean": (-mean_tol, mean_tol), "var": (math.log1p(-var_tol) if var_tol < 1 else -math.inf,
                                                      math.log1p(var_tol))}
-    dof = torch.tensor(min(float(layer.calls - 1), MAX_DOF), dtype=torch.float64)
+    dof = torch.tensor(float(layer.calls - 1), dtype=torch.float64)
     trusted = layer.new_var > 0
     trusted[layer.se_untrusted] = False
     raw = {}

@@ -18,7 +18,8 @@ from torch import nn
 import precise_bn
 from precise_bn import BNReport, ConfigError, LayerReport, check, recompute
 from precise_bn.digits import load_digits, make_model, train
-from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, MIN_CALLS, Rule, holm, judge, t_tail
+from precise_bn.precision import t_tail
+from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, MIN_CALLS, Rule, holm, judge
 from reference import float64_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
