@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .errors import ParameterChangedError, UndoError
-from .precision import FLAGS
+from .precision import FLAGS, LOADER_FLAGS, not_run, runs_from
 from .signals import all_or_nothing
 from .snapshot import Snapshot
 
@@ -24,7 +24,8 @@ DEFINITIONS = {
     "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
                       "sampling error of the written variance",
     "se_untrusted": "channels whose standard errors cannot be trusted (why: se_reasons); rtol never stops "
-                    "while there are any",
+                    "while a channel is flagged for what the loader did (every reason but heavy tails)",
+    "se_not_run": "the reasons of se_reasons not tested: the layer ran fewer calls than the test needs to fire",
     "se_reasons": "the channels of se_untrusted by reason, each under the first that holds: " + "; ".join(
         "{}: {}".format(reason, words) for reason, (_, words) in FLAGS.items()),
 }
@@ -65,9 +66,7 @@ class LayerReport:
     ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
     with the old ones.
     ``se_untrusted`` lists channels whose standard errors cannot be trusted, and ``se_reasons``
-    the same channels by reason (:data:`~precise_bn.precision.FLAGS`: the same batch repeated, a
-    few batches holding most elements, heavy tails, drift, correlated batches); ``rtol`` never
-    stops while there are any.
+    the same channels by reason (:data:`~precise_bn.precision.FLAGS`).
     """
 
     name: str
@@ -121,6 +120,11 @@ class LayerReport:
         """See :data:`DEFINITIONS`; None when the layer never ran."""
         return _relative(self.var_stderr, self.new_var)
 
+    @property
+    def se_not_run(self) -> List[str]:
+        """See :data:`DEFINITIONS`."""
+        return not_run(self.calls, self.old_mean.numel()) if self.ran else []
+
     def to_dict(self, with_stats: bool = False) -> Dict[str, Any]:
         out: Dict[str, Any] = {
             "name": self.name,
@@ -133,6 +137,7 @@ class LayerReport:
             "var_rel_stderr": self.var_rel_stderr,
             "se_untrusted": list(self.se_untrusted),
             "se_reasons": {reason: list(channels) for reason, channels in self.se_reasons.items()},
+            "se_not_run": self.se_not_run,
         }
         keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
         for key in keys if with_stats else keys[-2:]:
@@ -285,20 +290,28 @@ class BNReport:
         from stopping the pass, when it was given)."""
         count = len(self.layers)
         flagged = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
+        reasons = [layer.se_reasons for layer in self.layers]
         why = ", ".join("{}: {}".format(label, sum(len(layer.se_reasons.get(reason, ())) for layer in self.layers))
                         for reason, (label, _) in FLAGS.items()
                         if any(reason in layer.se_reasons for layer in self.layers))
         unknown = "one batch" if self.batches == 1 else "a layer ran once"
         untrusted = "; standard errors not trusted in {} of {} ({}){}".format(
             counted(sum(flagged), "channel"), counted(len(flagged), "layer"), why,
-            ", so rtol={:g} could not stop the pass".format(self.rtol) if self.rtol is not None else "")
+            ", so rtol={:g} could not stop the pass".format(self.rtol)
+            if self.rtol is not None and any(r in layer for r in LOADER_FLAGS for layer in reasons) else "")
+        first: Dict[str, int] = {}
+        for layer in self.layers:
+            for reason in layer.se_not_run:
+                first[reason] = max(first.get(reason, 0), runs_from(reason, layer.old_mean.numel()))
+        unrun = "; not tested on so few calls: {}".format(", ".join(
+            "{} (from {} calls)".format(FLAGS[reason][0], calls) for reason, calls in first.items())) if first else ""
         return ("precise-bn: {}, {} ({}), world size {}, {} estimator, "
-                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
+                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}{}").format(
             counted(count, "BatchNorm layer"), counted(self.batches, "batch", "batches"),
             counted(self.samples, "sample"), self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
             _se_cell(self.worst("mean_rel_stderr"), unknown), _se_cell(self.worst("var_rel_stderr"), unknown),
-            untrusted if flagged else "")
+            untrusted if flagged else "", unrun)
 
     def __str__(self) -> str:
         width = max([len("layer")] + [len(layer.name) for layer in self.layers])

@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from precise_bn import PopulationStats, PreciseBNWarning, recompute
+from precise_bn import PopulationStats, PreciseBNWarning, precision, recompute
 from precise_bn.driver import CHECK_EVERY
+from precise_bn.estimator import combine_calls
 from precise_bn.precision import RTOL_CONDITIONS, rtol_ratios, t975
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -207,3 +208,42 @@ def test_calibrated_on_the_demo_cnn_and_its_digits():
         cover = float(((torch.cat(diffs) / torch.cat(stderrs)).abs() <= 2).double().mean())
         assert 0.90 <= cover <= 0.99, (key, cover)
 
+
+
+def _layer_of_calls(means: torch.Tensor, variances: torch.Tensor, count: int) -> PopulationStats:
+    stats = PopulationStats(means.shape[1])
+    means, variances = means.clone(), variances.clone()
+    stats.add(combine_calls(means, variances, [count] * len(means), stats.center_for(means[0])))
+    return stats
+
+
+@pytest.mark.parametrize("k", [6, 8, 10, 12, 16, 24, 32, 48])
+def test_every_flag_fires_by_chance_on_about_one_percent_of_layers_of_normal_calls(k):
+    """400 layers of 8 channels, each call 64 independent normal elements: at every k, the flags
+    together fire on at most 1% of channels, and on at most 4% of layers (the stated 1%; the
+    variance's tails test, on per-call variances that are not quite normal, runs above it: up
+    to 3.3% here). The heavy-tails flag of 0.5 flagged 47% of channels at k = 6, 32% at 8."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(k, 64, 400 * 8, generator=gen, dtype=torch.float64)
+    means, variances = x.mean(1), x.var(1, unbiased=False)
+    layers = channels = 0
+    for start in range(0, 400 * 8, 8):
+        found = precision.flags(_layer_of_calls(means[:, start:start + 8], variances[:, start:start + 8], 64))
+        layers += bool(found)
+        channels += sum(len(c) for c in found.values())
+    assert layers <= 16 and channels <= 0.01 * 400 * 8, (layers, channels)
+
+
+@pytest.mark.parametrize("channels", [1, 8, 64])
+def test_one_call_unlike_the_others_is_flagged_from_the_calls_the_tails_test_runs_at(channels):
+    """A call whose means lie 1,000 standard errors off among normal calls: heavy tails from
+    ``runs_from("tails", channels)`` calls on, and the tails test not run (nor flagging) below."""
+    first = precision.runs_from("tails", channels)
+    for k in (first - 1, first, first + 8):
+        gen = torch.Generator().manual_seed(k)
+        means = torch.randn(k, channels, generator=gen, dtype=torch.float64) / 8.0
+        means[k // 2] += 1000.0 / 8.0
+        stats = _layer_of_calls(means, torch.ones(k, channels, dtype=torch.float64), 64)
+        found = precision.flags(stats)
+        assert found == ({} if k < first else {"tails": list(range(channels))}), (k, found)
+        assert ("tails" in precision.not_run(k, channels)) == (k < first)
