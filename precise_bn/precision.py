@@ -128,6 +128,20 @@ def _kurtosis_p(b2: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(below > 0, 0.5 * torch.erfc(z / math.sqrt(2.0)), torch.ones_like(z))
 
 
+def _as_normal(b2: torch.Tensor, k: int, shape: float) -> torch.Tensor:
+    """The kurtosis ``b2`` of k draws of a gamma law of ``shape`` (a call's second moment over n
+    normal elements: ``shape = n / 2``) mapped to the normal law's scale, matching the mean and
+    the large-k variance of ``b2`` (docs/precision.md, "Derivations")."""
+    a = max(shape, 1.0)
+    m3, m4, m5 = 2 * a, 3 * a * a + 6 * a, 20 * a * a + 24 * a
+    m6 = 15 * a ** 3 + 130 * a * a + 120 * a
+    m8 = 105 * a ** 4 + 2380 * a ** 3 + 7308 * a * a + 5040 * a
+    spread = (m8 / a ** 4 - 4 * m6 * m4 / a ** 5 - 8 * m5 * m3 / a ** 4 + 4 * m4 ** 3 / a ** 6 - m4 * m4 / a ** 4
+              + 16 * m4 * m3 * m3 / a ** 5 + 16 * m3 * m3 / a ** 3)
+    normal = 3.0 * (k - 1) / (k + 1)
+    return normal + (b2 - normal * m4 / (3 * a * a)) * math.sqrt(24.0 / spread)
+
+
 def tails_level(channels: int) -> float:
     """The level of each of a channel's two tails tests (mean, variance): :data:`FALSE_ALARM`
     shared over a layer's channels."""
@@ -172,8 +186,8 @@ def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
     out[0] = torch.where(spread > 0, REPEATED / spread, inf)
     out[1] = min(CONCENTRATED, k / 2.0) / stats.effective_calls()
     if k >= runs_from("tails", channels):
-        chi_square = 3.0 / (3.0 + 12.0 / max(stats.count / k - 1.0, 1.0))  # a normal call's variance's kurtosis
-        p = torch.min(_kurtosis_p(k * mean_r.square() + 1.0, k), _kurtosis_p((k * var_r.square() + 1.0) * chi_square, k))
+        p = torch.min(_kurtosis_p(k * mean_r.square() + 1.0, k),
+                      _kurtosis_p(_as_normal(k * var_r.square() + 1.0, k, stats.count / (2.0 * k)), k))
         out[4] = torch.where(p > 0, tails_level(channels) / p, inf)
     if k >= min(runs_from("drift"), runs_from("correlated")):
         lag_mean, lag_var, trend_mean, trend_var = stats.order_stats(spreads)
