@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -173,10 +173,29 @@ def counted(count: int, noun: str, plural: str = "") -> str:
     return "{} {}".format(count, noun if count == 1 else plural or noun + "s")
 
 
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows as columns, the first left-aligned, the others right-aligned; a row shorter than the
+    first ends with its last cell as written (a note over the remaining columns)."""
+    full = len(rows[0])
+    widths = [max(len(row[i]) for row in rows if len(row) == full) for i in range(full)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        if 1 < len(row) < full:
+            cells[-1] = row[-1]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def glossary(pairs: Sequence[Tuple[str, str]]) -> str:
+    """``(title, meaning)`` pairs, one line each, indented under a table."""
+    width = max(len(title) for title, _ in pairs)
+    return "\n".join("  {:<{w}}  {}".format(title, text, w=width) for title, text in pairs)
+
+
 def legend(titles: List[str]) -> str:
-    """What the columns ``titles`` hold, one line each, indented under a table."""
-    width = max(len(t) for t in titles)
-    return "\n".join("  {:<{w}}  {}".format(t, DEFINITIONS[COLUMNS[t]], w=width) for t in titles)
+    """What the columns ``titles`` of the printed report hold."""
+    return glossary([(title, DEFINITIONS[COLUMNS[title]]) for title in titles])
 
 
 def _drift_cell(value: float) -> str:
@@ -314,24 +333,23 @@ class BNReport:
             untrusted if flagged else "", unrun)
 
     def __str__(self) -> str:
-        width = max([len("layer")] + [len(layer.name) for layer in self.layers])
-        line = "{:<{w}}  {:>6}  {:>12}  {:>10}  {:>10}  {:>12}  {:>12}"
-        rows = [self.summary(), line.format("layer", "calls", "elements", "mean drift", "var drift",
-                                            "mean se/std", "var se/var", w=width)]
+        rows: List[Sequence[str]] = [["layer", "calls", "elements", "mean drift", "var drift", "mean se/std",
+                                      "var se/var"]]
         for layer in self.layers:
             if layer.ran:
-                rows.append(line.format(layer.name, layer.calls, layer.elements, _drift_cell(layer.mean_drift),
-                                        _drift_cell(layer.var_drift), _se_cell(layer.mean_rel_stderr, "1 call"),
-                                        _se_cell(layer.var_rel_stderr, "1 call"), w=width))
+                rows.append([layer.name, str(layer.calls), str(layer.elements), _drift_cell(layer.mean_drift),
+                             _drift_cell(layer.var_drift), _se_cell(layer.mean_rel_stderr, "1 call"),
+                             _se_cell(layer.var_rel_stderr, "1 call")])
             else:
-                rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
+                rows.append([layer.name, "0", "0", "never ran: stats kept"])
+        lines = [self.summary(), table(rows)]
         for label, names in (("not recomputed (a functional batch_norm, put back)", self.not_recomputed),
                              ("buffers the forwards changed (put back)", self.changed_buffers),
                              ("parameters the forwards wrote (put back)", self.changed_parameters)):
             if names:
-                rows.append("{}: {}".format(label, ", ".join(names)))
-        rows.append(legend(list(COLUMNS)))
+                lines.append("{}: {}".format(label, ", ".join(names)))
+        lines.append(legend(list(COLUMNS)))
         if any(layer.ran and max(layer.mean_drift, layer.var_drift) >= LARGE_DRIFT for layer in self.layers):
-            rows.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(
+            lines.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(
                 LARGE_MARK, LARGE_DRIFT))
-        return "\n".join(rows)
+        return "\n".join(lines)

@@ -23,7 +23,7 @@ import torch
 
 from .errors import ConfigError
 from .precision import t_tail
-from .report import BNReport, LayerReport, counted
+from .report import BNReport, LayerReport, counted, glossary, table
 
 #: Default tolerance: the mean within 5% of the std, the variance within 10% of itself (the
 #: normalised activations off by about 5% in offset and in scale).
@@ -318,19 +318,14 @@ class CheckReport:
             verdict)
 
     def __str__(self) -> str:
-        width = max([len("layer")] + [len(fit.name) for fit in self.layers])
-        line = "{:<{w}}  {:>8}  {:>10}  {:>8}  {:>10}  {:>8}  {}"
-        rows = [self.summary(), line.format("layer", "channels", "mean drift", "mean p", "var drift", "var p",
-                                            "verdict", w=width)]
+        rows: List[Sequence[str]] = [["layer", "channels", "mean drift", "mean p", "var drift", "var p", "verdict"]]
         for fit in self.layers:
-            channels = "{}/{}".format(fit.tested, fit.layer.old_mean.numel())
-            rows.append(line.format(fit.name, channels, "{:.4g}".format(fit.layer.mean_drift),
-                                    _p_cell(fit.smallest_p("mean")), "{:.4g}".format(fit.layer.var_drift),
-                                    _p_cell(fit.smallest_p("var")), fit.verdict, w=width))
-        titles = [("channels", "channels_tested"), ("mean drift", "mean_drift"), ("var drift", "var_drift"),
-                  ("mean p, var p", "p")]
-        rows += ["  {:<13}  {}".format(title, DEFINITIONS[key]) for title, key in titles]
-        return "\n".join(rows)
+            rows.append([fit.name, "{}/{}".format(fit.tested, fit.layer.old_mean.numel()),
+                         "{:.4g}".format(fit.layer.mean_drift), _p_cell(fit.smallest_p("mean")),
+                         "{:.4g}".format(fit.layer.var_drift), _p_cell(fit.smallest_p("var")), fit.verdict])
+        notes = [("channels", "channels_tested"), ("mean drift", "mean_drift"), ("var drift", "var_drift"),
+                 ("mean p, var p", "p")]
+        return "\n".join([self.summary(), table(rows), glossary([(title, DEFINITIONS[key]) for title, key in notes])])
 
 
 def _p_cell(value: Optional[float]) -> str:
