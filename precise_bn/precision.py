@@ -1,11 +1,9 @@
 """The precision stop, Student's t, and the flags on standard errors that cannot be trusted.
 
-``rtol=r`` promises that about 95% of channels end within ``r`` of the population value. Every
-condition of the stop is a per-channel ratio, at most 1 when met (:func:`rtol_ratios`), a pure
-function of one layer's merged statistics so that ranks may combine per-layer maxima. Each flag
-is a test with a stated false-alarm rate on independent normal calls, run only from the number
-of calls at which it can fire (:func:`runs_from`). Derivations and measured rates:
-``docs/precision.md``.
+``rtol=r`` promises about 95% of channels within ``r`` of the population value; every condition
+of its stop is a per-layer pure function of the merged statistics, so ranks combine maxima. Each
+flag is a test with a stated false-alarm rate on independent normal calls, run from the calls at
+which it can fire (:func:`runs_from`); ``docs/precision.md`` derives them and gives the rates.
 """
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from .errors import warn
 from .estimator import PopulationStats
 from .options import Options
 
-#: Why a channel's standard errors are not trusted: a short label, then what was seen. A channel
-#: is named by the first that holds.
+#: Why standard errors are not trusted (label, what was seen); a channel is named by the first.
 FLAGS = {
     "identical": ("identical batch statistics",
                   "every batch gave the same means and variances, bit for bit: one batch read again and again, "
@@ -37,11 +34,9 @@ FLAGS = {
               "the calls' deviations are heavier-tailed than normal calls give at this number of calls (a rare "
               "outlier, rare activity, one batch unlike the others)"),
 }
-#: Calls whose count²-weighted spread, relative to the channel's magnitude, is below this are
-#: identical: the float64 merge's own rounding.
+#: A spread between calls below this, relative to the channel's magnitude, is the merge's rounding.
 REPEATED = 1e-12
-#: Calls that weigh as fewer than this many equal ones (and fewer than half their number) are
-#: concentrated; the tails test needs as many.
+#: Fewer equal calls' weight than this (and than half the calls) is concentrated.
 CONCENTRATED = 8
 #: The chance that the tails test flags any channel of a layer of independent normal calls.
 FALSE_ALARM = 0.01
@@ -49,19 +44,16 @@ FALSE_ALARM = 0.01
 DRIFT_Z = 5.0
 #: A lag-1 correlation above ``SERIAL + SERIAL_Z / sqrt(k)`` is flagged.
 SERIAL, SERIAL_Z = 0.2, 3.5
-#: The flags that say what the loader did: ``rtol`` waits on them (heavy tails widen its bound instead);
-#: they come first in :data:`FLAGS`.
+#: What the loader did, first in :data:`FLAGS`: ``rtol`` waits on these (heavy tails widen its bound).
 LOADER_FLAGS = ("identical", "concentrated", "drift", "correlated")
 
 
-#: Degrees of freedom beyond which Student's t uses this many: heavier tails than the calls give,
-#: so never a false alarm more, and a bound on the continued fraction's length.
+#: Student's t beyond this many degrees of freedom uses this many: slightly heavier tails, a bounded cost.
 MAX_DOF = 100000.0
 
 
 def _continued_fraction(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The incomplete beta function's continued fraction (modified Lentz), for
-    ``x < (a + 1) / (a + b + 2)``, where it converges in about ``sqrt(max(a, b))`` terms."""
+    """The incomplete beta's continued fraction (modified Lentz), for ``x < (a + 1) / (a + b + 2)``."""
     tiny = 1e-300
     c = torch.ones_like(x)
     d = 1.0 - (a + b) * x / (a + 1.0)
@@ -100,8 +92,7 @@ def t_tail(t: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def t975(dof: int) -> float:
-    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom: Newton's steps on
-    :func:`t_tail` from the normal quantile, which lies below it (the tail is convex there)."""
+    """Student's 97.5% quantile: Newton's steps on :func:`t_tail` from the normal's, below it."""
     nu = min(float(dof), MAX_DOF)
     log_density = math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2) - 0.5 * math.log(nu * math.pi)
     t = 1.959963984540054
@@ -129,9 +120,8 @@ def _kurtosis_p(b2: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _as_normal(b2: torch.Tensor, k: int, shape: float) -> torch.Tensor:
-    """The kurtosis ``b2`` of k draws of a gamma law of ``shape`` (a call's second moment over n
-    normal elements: ``shape = n / 2``) mapped to the normal law's scale, matching the mean and
-    the large-k variance of ``b2`` (docs/precision.md, "Derivations")."""
+    """The kurtosis ``b2`` of k gamma draws of ``shape`` (a call's second moment over ``2 shape``
+    normal elements) moved to the normal law's scale, its mean and large-k variance matched."""
     a = max(shape, 1.0)
     m3, m4, m5 = 2 * a, 3 * a * a + 6 * a, 20 * a * a + 24 * a
     m6 = 15 * a ** 3 + 130 * a * a + 120 * a
@@ -143,8 +133,7 @@ def _as_normal(b2: torch.Tensor, k: int, shape: float) -> torch.Tensor:
 
 
 def tails_level(channels: int) -> float:
-    """The level of each of a channel's two tails tests (mean, variance): :data:`FALSE_ALARM`
-    shared over a layer's channels."""
+    """Each tails test's level: :data:`FALSE_ALARM` shared over a layer's channels, mean and variance."""
     return FALSE_ALARM / (2.0 * max(channels, 1))
 
 
@@ -166,13 +155,12 @@ def runs_from(reason: str, channels: int = 1) -> int:
 
 
 def not_run(calls: int, channels: int) -> List[str]:
-    """The flags of :data:`FLAGS` that a layer of ``channels`` run ``calls`` times could not test."""
+    """The flags a layer of ``channels`` run ``calls`` times could not test."""
     return [reason for reason in FLAGS if calls < runs_from(reason, channels)] if calls >= 2 else []
 
 
 def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
-    """The ratios of :data:`FLAGS` (rows in that order, above 1 where one holds, 0 where it cannot
-    run), then the standard errors and the tail spreads of the mean and the variance."""
+    """Rows of :data:`FLAGS`, above 1 where one holds; the standard errors and tail spreads."""
     channels, k = stats.num_channels, stats.calls
     out = torch.zeros(len(FLAGS), channels, dtype=torch.float64, device=stats.device)
     spreads = stats.spreads()
@@ -197,8 +185,7 @@ def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
 
 
 def flags(stats: PopulationStats) -> Dict[str, List[int]]:
-    """The channels whose standard errors cannot be trusted, by the first reason of :data:`FLAGS`
-    that holds (reasons without a channel left out)."""
+    """The channels whose standard errors cannot be trusted, under the first reason that holds."""
     out: Dict[str, List[int]] = {}
     if stats.count ** 2 <= stats.weight:
         return out
@@ -212,21 +199,14 @@ def flags(stats: PopulationStats) -> Dict[str, List[int]]:
     return out
 
 
-#: The conditions of :func:`rtol_ratios`, in the order of its rows.
 RTOL_CONDITIONS = ("mean", "variance", "dead") + LOADER_FLAGS
 
 
 def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tensor:
-    """Per condition of :data:`RTOL_CONDITIONS` and channel, a ratio at most 1 when ``rtol``
-    holds, float64: ``t * (1 + r/2) * stderr / (rtol * scale)`` for the mean (scale the std) and
-    the variance (scale itself), ``t`` Student's 97.5% quantile at ``calls - 1`` degrees of
-    freedom and ``r`` the standard error's :meth:`tail spread
-    <precise_bn.estimator.PopulationStats.tail_spread>`, which lifts it one of its own standard
-    deviations; ``sqrt(3 / samples) / (rtol / 2)`` for a channel of variance 0; the loader's flags.
-
-    Zeros for a layer that never ran; ``inf`` until two calls hold elements. ``samples``: read
-    over all ranks.
-    """
+    """Per condition of ``RTOL_CONDITIONS`` and channel, a ratio at most 1 when met: ``t (1 + r/2)``
+    standard errors over ``rtol`` times the std (mean) or the variance, ``t`` Student's 97.5%
+    quantile, ``r`` the tail spread (one of the standard error's own deviations higher); ``sqrt(3 /
+    samples) / (rtol / 2)`` for a channel of variance 0; the loader's flags. ``inf`` until two calls."""
     out = torch.zeros(len(RTOL_CONDITIONS), stats.num_channels, dtype=torch.float64, device=stats.device)
     if stats.count == 0:
         return out
@@ -244,8 +224,7 @@ def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tens
 
 
 def worst_ratio(stats: PopulationStats, rtol: float, samples: int) -> float:
-    """The largest of a layer's :func:`rtol_ratios` (0 for a layer without channels or calls);
-    the driver takes the largest over layers and ranks."""
+    """The largest of a layer's :func:`rtol_ratios` (0 without channels or calls)."""
     ratios = rtol_ratios(stats, rtol, samples)
     return float(ratios.max()) if ratios.numel() else 0.0
 
@@ -287,8 +266,7 @@ def _named(names: Sequence[str], reasons: Sequence[Dict[str, List[int]]]) -> str
 
 
 def _worst(rtol: float, stats: Sequence[PopulationStats], names: Sequence[str], batches: int, samples: int) -> str:
-    """The layer and channel furthest from ``rtol``, why, and about how many more batches would
-    reach it; empty when every channel is within."""
+    """The channel furthest from ``rtol``, why, and about how many more batches; empty if none."""
     worst = (0.0, "", 0, 0)
     for name, layer in zip(names, stats):
         ratios = rtol_ratios(layer, rtol, samples)[:3]
@@ -310,10 +288,8 @@ def _worst(rtol: float, stats: Sequence[PopulationStats], names: Sequence[str], 
 
 def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Sequence[str],
                       reasons: Sequence[Dict[str, List[int]]], batches: int, samples: int, stop: str) -> None:
-    """After a pass (``batches`` and ``samples`` read over all ranks, each layer's :func:`flags`
-    in ``reasons``): a :class:`PreciseBNWarning` naming the channels flagged for what the loader
-    did, and, when ``rtol`` was not reached, the worst layer and channel with about how many more
-    batches would reach it."""
+    """After a pass: a :class:`PreciseBNWarning` naming the channels flagged for what the loader
+    did, and, if ``rtol`` was not reached, the worst channel and the batches it would need."""
     if opts.rtol is None:
         named = _named(names, reasons)
         if named:

@@ -56,17 +56,11 @@ def _relative(stderr: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> 
 
 @dataclass
 class LayerReport:
-    """One BN layer's outcome. Stats are float64 CPU tensors; ``new_*`` is None if it never ran.
-
-    ``mean_stderr`` and ``var_stderr`` are per-channel standard errors of ``new_mean`` and
-    ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
-    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``new_*`` are the
-    float64 values, before their rounding into the buffers.
-    With a ``prior``, ``new_*`` is what was written (source and target pooled) and
-    ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
-    with the old ones.
-    ``se_untrusted`` lists channels whose standard errors cannot be trusted, and ``se_reasons``
-    the same channels by reason (:data:`~precise_bn.precision.FLAGS`).
+    """One BN layer's outcome, float64 CPU tensors (``new_*`` None if it never ran, else before
+    their rounding into the buffers). ``mean_stderr`` and ``var_stderr``: standard errors of
+    ``new_*`` from the spread between calls, NaN after one call. With a ``prior``, ``new_*`` is
+    what was written and ``target_*`` the target data's own statistics, which the drifts compare.
+    ``se_reasons``: the channels of ``se_untrusted`` by reason (:data:`~precise_bn.precision.FLAGS`).
     """
 
     name: str
@@ -160,10 +154,8 @@ def _se_cell(value: Optional[float], why: str) -> str:
 COLUMNS = {"mean drift": "mean_drift", "var drift": "var_drift", "mean se/std": "mean_rel_stderr",
            "var se/var": "var_rel_stderr"}
 
-#: A drift at least this large is marked in the printed report: the running mean was off by half
-#: a standard deviation or more, or the running variance by half or more, so the model was
-#: normalising with statistics that did not fit its data (after a weight change such as SWA,
-#: pruning or fine-tuning, or with data other than the one it trained on).
+#: A drift at least this large is marked in the printed report: the model was normalising with
+#: statistics that did not fit its data (after SWA, pruning, fine-tuning, or on other data).
 LARGE_DRIFT = 0.5
 LARGE_MARK = "*"
 
@@ -204,16 +196,11 @@ def _drift_cell(value: float) -> str:
 
 @dataclass
 class BNReport:
-    """The result of one recalibration; ``str(report)`` is a readable table, ending with what
-    each column means (large drifts marked, see :data:`LARGE_DRIFT`).
-
-    ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
-    count what was read, summed over ranks. What the forwards changed besides the measured
-    statistics, all put back as it was: ``not_recomputed`` names the modules whose running
-    statistics a functional ``batch_norm`` call changed (not recomputed), ``changed_buffers`` every
-    other buffer changed outside the BN layers' statistics (a counter, an observer's range, a
-    functional ``batch_norm``'s statistics under other names), ``changed_parameters`` each parameter
-    written in place (the statistics were measured with what was written).
+    """The result of one recalibration; ``str(report)`` is a table ending with what each column
+    means. ``stop``: why the pass ended (:data:`STOP_REASONS`); ``batches`` and ``samples`` over
+    all ranks. What the forwards changed besides the measured statistics, all put back:
+    ``not_recomputed`` (modules whose statistics a functional ``batch_norm`` changed),
+    ``changed_buffers``, ``changed_parameters`` (written in place; measured with what was written).
     """
 
     layers: List[LayerReport] = field(default_factory=list)
@@ -305,8 +292,7 @@ class BNReport:
 
     def summary(self) -> str:
         """The first line of the table: what was read, why it stopped, the worst standard errors,
-        and how many channels' standard errors cannot be trusted, and why (what kept ``rtol``
-        from stopping the pass, when it was given)."""
+        the flagged channels by reason, and the flags not run on so few calls."""
         count = len(self.layers)
         flagged = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
         reasons = [layer.se_reasons for layer in self.layers]

@@ -1,16 +1,10 @@
 """Whether a model's stored BN statistics fit its data: the rule behind ``precise_bn.check``.
 
-A channel's stored mean (variance) is *off* when it differs from the measured one by more than
-the tolerance and by more than sampling explains: Student's t with ``calls - 1`` degrees of
-freedom on how far the drift lies beyond the tolerance (for the variance, on the log of the
-ratio), the measured standard error counted for both sides (the stored statistics came from a
-sample of similar size). Holm's step-down over every test of the model keeps the chance of
-calling any channel off whose true drift is within the tolerance at ``alpha`` or less, however
-many channels and however they are correlated. A layer is stale when one of its channels is
-off. A model *fits* only when no layer is stale and the data could test every channel it
-varies, each on at least :data:`MIN_CALLS` calls; otherwise, short of a stale layer, the verdict
-is *untested*: too little data (or data whose standard errors cannot be trusted) is no evidence
-that the statistics fit. Derivation and measured false-alarm rates: docs/check.md.
+A channel's stored mean (variance) is *off* when it lies beyond the tolerance by more than
+sampling explains (Student's t, the measured standard error counted for both sides), at a
+family-wise level ``alpha`` over the model (Holm). A layer with a channel off is stale; a model
+*fits* only when none is and every channel it varies was tested on :data:`MIN_CALLS` calls or
+more, else it is *untested*. Derivation and measured rates: docs/check.md.
 """
 from __future__ import annotations
 
@@ -25,16 +19,14 @@ from .errors import ConfigError
 from .precision import t_tail
 from .report import BNReport, LayerReport, counted, glossary, table
 
-#: Default tolerance: the mean within 5% of the std, the variance within 10% of itself (the
-#: normalised activations off by about 5% in offset and in scale).
+#: Default tolerance: the mean within 5% of the std, the variance within 10% of itself.
 DEFAULT_TOLERANCE = (0.05, 0.1)
 #: Default family-wise false-alarm level over every channel of the model.
 DEFAULT_ALPHA = 0.01
 #: The standard error of a difference between two estimates of similar precision: sqrt(2) times either's.
 PAIRED = math.sqrt(2.0)
-#: Calls a layer must run before its channels can be said to fit: below 8 degrees of freedom
-#: t's far tails, where Holm's thresholds lie, swallow large drifts (docs/check.md, "Too little
-#: data"). Fewer calls can still show a layer stale, never that it fits.
+#: Calls a layer must run for a "fits": below 8 degrees of freedom t's far tails, where Holm's
+#: thresholds lie, swallow large drifts (docs/check.md). Fewer can still show a layer stale.
 MIN_CALLS = 9
 STATISTICS = ("mean", "var")
 
@@ -64,8 +56,7 @@ def _real(value: Any) -> bool:
 
 
 def holm(p: torch.Tensor) -> torch.Tensor:
-    """Holm's step-down adjusted p-values of the 1-D ``p``: a test is rejected at level ``alpha``
-    by Holm's procedure exactly when its adjusted p-value is at most ``alpha``."""
+    """Holm's step-down adjusted p-values of the 1-D ``p`` (rejected at ``alpha`` when at most it)."""
     m = p.numel()
     order = torch.argsort(p)
     scaled = (p[order] * torch.arange(m, 0, -1, dtype=p.dtype)).clamp(max=1.0)
@@ -76,9 +67,8 @@ def holm(p: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Worst:
-    """One channel's figures: its stored and measured value of one statistic, the drift (mean
-    in std units, variance relative), the drift's standard error in the same units, the
-    tolerance and the Holm-adjusted p-value of "the true drift is within the tolerance"."""
+    """One channel's figures for one statistic: stored, measured, drift and its standard error
+    (mean in std units, variance relative), tolerance, Holm-adjusted p-value."""
 
     channel: int
     statistic: str
@@ -124,10 +114,8 @@ class LayerFit:
 
     @property
     def untested(self) -> int:
-        """Channels the data could not vouch for: those with a variance on the data when the layer
-        ran fewer than :data:`MIN_CALLS` calls, else those of them not tested on both statistics
-        (standard errors that cannot be trusted, or zero). A channel without variance on the
-        data is not counted: no more of such data can test it. 0 when the layer never ran."""
+        """Channels with a variance on the data that were not tested on both statistics, all of
+        them when the layer ran fewer than :data:`MIN_CALLS` calls; 0 when it never ran."""
         if not self.layer.ran:
             return 0
         assert self.layer.new_var is not None
@@ -151,9 +139,8 @@ class LayerFit:
         return "stale" if self.stale else ("untested" if self.untested else "fits")
 
     def untested_by_reason(self) -> Dict[str, int]:
-        """How many of the :attr:`untested` channels each reason leaves untested: ``"calls"``
-        (fewer than :data:`MIN_CALLS`), a reason of :data:`~precise_bn.precision.FLAGS` or
-        ``"zero"`` (a standard error of 0), reasons without a channel left out."""
+        """:attr:`untested` channels per reason: ``"calls"``, a flag of
+        :data:`~precise_bn.precision.FLAGS`, or ``"zero"`` (a standard error of 0)."""
         if not self.untested:
             return {}
         if self.layer.calls < MIN_CALLS:
@@ -173,8 +160,7 @@ class LayerFit:
 
     @property
     def worst(self) -> Optional[Worst]:
-        """The channel and statistic with the smallest adjusted p-value (among equals, the
-        largest drift in standard errors); None when nothing was tested."""
+        """The channel and statistic of smallest adjusted p-value (then largest drift); None if none."""
         p = torch.stack([self.p[key] for key in STATISTICS])
         if not p.numel() or bool(p.isnan().all()):
             return None
@@ -204,8 +190,7 @@ Tests = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.
 
 
 def _interval_p(estimate: torch.Tensor, low: float, high: float, se: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
-    """The p-value of "the true value lies in [low, high]" for ``estimate`` of standard error
-    ``se``: at the nearest edge, the chance of landing this far outside on either side."""
+    """The p-value of "the true value lies in [low, high]": beyond either edge, from the nearest."""
     outside = torch.max(estimate - high, low - estimate) / se
     return (t_tail(outside, dof) + t_tail(outside + (high - low) / se, dof)).clamp(max=1.0)
 
@@ -272,20 +257,17 @@ class CheckReport:
 
     @property
     def verdict(self) -> str:
-        """``"stale"`` when a layer is stale, whatever else went untested (recomputing fixes every
-        channel alike); else ``"untested"`` when some channel could not be tested, which is no
-        verdict rather than a pass; else ``"fits"``."""
+        """``"stale"`` when a layer is stale (recomputing fixes every channel alike), else
+        ``"untested"`` when a channel could not be tested (no verdict), else ``"fits"``."""
         return "stale" if self.stale else ("untested" if self.untested else "fits")
 
     @property
     def fits(self) -> bool:
-        """True only when the verdict is ``"fits"``: every channel the data varies was tested on
-        enough calls and none is off."""
+        """True only when the verdict is ``"fits"``."""
         return self.verdict == "fits"
 
     def batches_needed(self) -> int:
-        """The fewest batches that give every layer with untested channels :data:`MIN_CALLS`
-        calls, at this run's calls per batch; this run's count when it read enough."""
+        """The fewest batches that give every untested layer :data:`MIN_CALLS` calls (at least this run's)."""
         read = self.measured.batches
         return max([read] + [-(-MIN_CALLS * read // fit.layer.calls) for fit in self.layers
                              if fit.untested and fit.layer.calls < MIN_CALLS])
@@ -347,8 +329,7 @@ DEFINITIONS = {
 
 
 def judge(measured: BNReport, rule: Rule) -> CheckReport:
-    """The verdict of ``rule`` on a measurement whose old statistics are the stored ones: every
-    channel's p-values, adjusted by Holm's procedure over all the tests of the model."""
+    """The verdict of ``rule`` on a measurement whose old statistics are the stored ones."""
     tests = [_tests(layer, rule) for layer in measured.layers]
     raw = [p[key] for _, _, p in tests for key in STATISTICS]
     flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64)
