@@ -174,8 +174,9 @@ def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
     out[0] = torch.where(spread > 0, REPEATED / spread, inf)
     out[1] = min(CONCENTRATED, k / 2.0) / stats.effective_calls()
     if k >= runs_from("tails", channels):
-        p = torch.min(_kurtosis_p(k * mean_r.square() + 1.0, k),
-                      _kurtosis_p(_as_normal(k * var_r.square() + 1.0, k, stats.count / (2.0 * k)), k))
+        mix = stats.effective_calls()  # b2 * k_eff / k: calls of unequal counts are a normal mixture
+        p = torch.min(_kurtosis_p((k * mean_r.square() + 1.0) * (mix / k), k),
+                      _kurtosis_p(_as_normal((k * var_r.square() + 1.0) * (mix / k), k, stats.count / (2.0 * k)), k))
         out[4] = torch.where(p > 0, tails_level(channels) / p, inf)
     if k >= min(runs_from("drift"), runs_from("correlated")):
         lag_mean, lag_var, trend_mean, trend_var = stats.order_stats(spreads)
