@@ -222,7 +222,7 @@ class PopulationStats:
         d = self.mean - self.center
         one, zero = torch.ones_like(d), torch.zeros_like(d)
         b = torch.stack([torch.stack([-d, one, zero]), torch.stack([d * d - self.m2 / n, -2.0 * d, one])])
-        lag = self.order[order_sums.LAG].view(3, 3, -1)
+        lag = order_sums.lag_matrix(self.order)
         trend = self.order[order_sums.TREND]
         serial = ((b.unsqueeze(2) * lag).sum(1) * b).sum(1)  # b^T L b, for the mean and the variance
         drift = (b * trend).sum(1)
