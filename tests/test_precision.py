@@ -10,6 +10,7 @@ heavy-tailed study at full size.
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 import sys
 import warnings
@@ -247,3 +248,26 @@ def test_one_call_unlike_the_others_is_flagged_from_the_calls_the_tails_test_run
         found = precision.flags(stats)
         assert found == ({} if k < first else {"tails": list(range(channels))}), (k, found)
         assert ("tails" in precision.not_run(k, channels)) == (k < first)
+
+
+def test_the_report_says_which_flags_did_not_run_on_so_few_calls():
+    """Ten batches: drift and consecutive batches alike cannot fire before 27 and 20 calls, so the
+    report names them as not run instead of flagging; from 27 calls every flag runs."""
+    short = recompute(nn.BatchNorm1d(8), itertools.islice(calibration.normal_stream(0, channels=8), 10),
+                      progress=False)
+    assert short.layers[0].se_not_run == ["drift", "correlated"] == short.to_dict()["layers"][0]["se_not_run"]
+    assert short.summary().endswith("; not tested on so few calls: drift along the data (from 27 calls), "
+                                    "consecutive batches alike (from 20 calls)"), short.summary()
+    full = recompute(nn.BatchNorm1d(8), itertools.islice(calibration.normal_stream(0, channels=8), 27),
+                     progress=False)
+    assert full.layers[0].se_not_run == [] and "not tested" not in full.summary()
+    assert precision.runs_from("drift") == 27 and precision.runs_from("correlated") == 20
+
+
+def test_a_drift_is_flagged_from_the_calls_runs_from_names():
+    """Means rising in a straight line: the trend's z-score is sqrt(k - 1), 5 at k = 26 (not
+    beyond the bar of 5) and 5.1 at 27, where the drift flag starts to run."""
+    for k in (26, 27):
+        means = torch.arange(k, dtype=torch.float64).unsqueeze(1) * 0.01
+        found = precision.flags(_layer_of_calls(means, torch.ones(k, 1, dtype=torch.float64), 64))
+        assert ("drift" in found) == (k >= precision.runs_from("drift")), (k, found)
