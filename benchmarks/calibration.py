@@ -361,7 +361,8 @@ def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, few
         "{} samples per population, {} channels, {} draws per fixed budget (batches x batch size), {} draws "
         "with `rtol={:g}` and a budget of the whole population ({} batches of 32). \"covered\": the true error "
         "within two stated standard errors; \"marked\": in `LayerReport.se_untrusted`; \"marked at the stop\": "
-        "passes that stopped on `rtol` with a channel marked for what the loader did (any reason but heavy tails).".format(
+        "passes that stopped on `rtol` with a channel marked for what the loader did (any reason but heavy "
+        "tails).".format(
             cfg.samples, cfg.channels, cfg.draws, cfg.rtol_draws, cfg.rtol, cfg.samples // 32),
         common.markdown_table(headers + stop_headers, rows),
         "## Loaders that break independence",

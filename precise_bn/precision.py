@@ -307,5 +307,6 @@ def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Se
     if named or worst:
         warn("rtol={:g} not reached after {} batches (stopped: {}): {}{}{}".format(
             opts.rtol, batches, stop,
-            "rtol never stops while standard errors cannot be trusted for what the loader did, and they cannot " + named if named else "",
+            "rtol never stops while standard errors cannot be trusted for what the loader did, and they "
+            "cannot " + named if named else "",
             "; besides, " if named and worst else "", worst))
