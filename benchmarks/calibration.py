@@ -1,6 +1,6 @@
 """Are the standard errors calibrated on hard data, and does ``rtol`` keep its promise there?
 
-    python benchmarks/calibration.py [--quick] [--out DIR] [--threads N]
+    python benchmarks/calibration.py [--quick | --medium] [--out DIR] [--threads N]
 
 Populations of known statistics (per-sample effects plus per-position noise, 2x2 positions,
 a few channels each): normal, Student's t with 5 and 2.5 degrees of freedom, lognormal with
@@ -15,7 +15,9 @@ batches of equal and alternating sizes. For each, many draws are recomputed with
 * ``rtol``: how often the pass stops on it, after how many batches, how many channels end
   beyond ``rtol`` in passes that stopped on it (``rtol`` promises about 5% at most), and in how
   many of those passes a channel was marked (none may be);
-* for the loaders, covered or marked against the batches read (``calibration.png``).
+* for the loaders, covered or marked against the batches read (``calibration.png``);
+* few batches (k = 6 to 32): how often Student's t interval covers, and how often each flag
+  fires, on normal, heavy-tailed and dependent batches.
 
 Writes ``DIR/CALIBRATION.md`` and ``DIR/calibration.png`` (default: next to this script). The
 quick run of ``tests/test_precision.py`` uses the same populations.
@@ -32,7 +34,8 @@ import torch
 from torch import nn
 
 import common
-from precise_bn import BNReport, LayerReport, recompute
+from precise_bn import BNReport, LayerReport, PopulationStats, recompute
+from precise_bn.precision import FLAGS, LOADER_FLAGS, flags, t975
 
 KINDS = ("normal", "t5", "t2.5", "lognormal1", "lognormal2", "outliers", "rare")
 #: Loaders that break independence, and the control (see :func:`order_stream`).
@@ -208,14 +211,15 @@ def beyond(report: BNReport, mean: torch.Tensor, var: torch.Tensor, rtol: float)
 def stop_shares(runs: Sequence[Tuple[BNReport, List[torch.Tensor]]], rtol: float) -> Dict[str, float]:
     """Over passes with ``rtol`` and their populations: the share that stopped on ``rtol``, their
     mean batches, the share of their channels beyond ``rtol``, and the share of them that had a
-    channel marked (``rtol`` never stops on one)."""
+    channel marked for what the loader did (``rtol`` never stops on one)."""
     stopped = [(r, truth) for r, truth in runs if r.stop == "rtol"]
     out = torch.cat([beyond(r, mean, var, rtol) for r, (mean, var) in stopped]) if stopped else torch.zeros(0)
     nan = float("nan")
     return {"stopped": len(stopped) / len(runs),
             "batches": sum(r.batches for r, _ in stopped) / len(stopped) if stopped else nan,
             "beyond": float(out.double().mean()) if stopped else nan,
-            "marked": sum(bool(r.layers[0].se_untrusted) for r, _ in stopped) / len(stopped) if stopped else nan}
+            "marked": sum(any(reason in r.layers[0].se_reasons for reason in LOADER_FLAGS)
+                          for r, _ in stopped) / len(stopped) if stopped else nan}
 
 
 def rtol_stops(x: torch.Tensor, batch: int, rtol: float, budget: int, count: int) -> Dict[str, float]:
@@ -237,9 +241,6 @@ def detection(kind: str, x: torch.Tensor, reads: Sequence[int], count: int) -> L
     """Per number of batches read, the share of channels whose mean and variance are within two
     standard errors or that are marked, over ``count`` draws of a loader; the statistics merged
     batch by batch as a pass merges them, and marked as its report marks them."""
-    from precise_bn.estimator import PopulationStats
-    from precise_bn.precision import flags
-
     hits: List[List[torch.Tensor]] = [[] for _ in reads]
     for seed in range(count):
         stream, (mean, var) = order_stream(kind, x, max(reads), seed)
@@ -257,6 +258,43 @@ def detection(kind: str, x: torch.Tensor, reads: Sequence[int], count: int) -> L
     return [float(torch.stack(h).double().mean()) for h in hits]
 
 
+#: The batches of the few-batches section: population kinds read shuffled, then loaders.
+FEW_KINDS = ("normal", "t5", "lognormal1", "AR(1) 0.9", "mean drift")
+
+
+def few_batches(kind: str, x: torch.Tensor, ks: Sequence[int], count: int) -> List[Dict[str, float]]:
+    """Per k of ``ks``, over ``count`` draws of k batches of 32 (shuffled from ``x``, or a loader
+    of :data:`ORDER_KINDS`): the shares of channels whose mean and variance lie within
+    ``t975(k - 1)`` standard errors of the population's, and flagged, in all and per reason."""
+    out = []
+    for k in ks:
+        covered, marked = {"mean": [], "var": []}, {reason: 0 for reason in ("any",) + tuple(FLAGS)}
+        for seed in range(count):
+            if kind in ORDER_KINDS:
+                stream, (mean, var) = order_stream(kind, x, k, seed)
+            else:
+                order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+                stream, (mean, var) = list(x[order[:32 * k]].split(32)), exact_stats(x)
+            stats = PopulationStats(x.shape[1])
+            for batch in stream:
+                rows = batch.double().transpose(0, 1).reshape(x.shape[1], -1)
+                stats.add_call(rows.mean(1), rows.var(1, unbiased=False), rows.shape[1])
+            new_mean, new_var = stats.finalize()
+            mean_se, var_se = stats.stderr()
+            t = t975(k - 1)
+            covered["mean"].append((new_mean - mean).abs() <= t * mean_se)
+            covered["var"].append((new_var - var).abs() <= t * var_se)
+            found = flags(stats)
+            marked["any"] += sum(len(c) for c in found.values())
+            for reason, channels in found.items():
+                marked[reason] += len(channels)
+        total = count * x.shape[1]
+        row = {key: float(torch.cat(hits).double().mean()) for key, hits in covered.items()}
+        row.update({reason: n / total for reason, n in marked.items()})
+        out.append(row)
+    return out
+
+
 @dataclass
 class Config:
     samples: int
@@ -270,13 +308,21 @@ class Config:
     order_batches: Sequence[int]
     reads: Sequence[int]
     curve_draws: int
+    few: Sequence[int] = (6, 8, 10, 12, 16, 24, 32)
+    few_channels: int = 64
+    few_draws: int = 40
 
 
 FULL = Config(samples=40_000, channels=8, draws=100, rtol_draws=40, fixed=((32, 32), (2, 128)), rtol=0.1,
               normal_rtols=(1e-2, 5e-2), normal_draws=20, order_batches=(32, 128), reads=(16, 32, 64, 128, 256, 512),
               curve_draws=40)
 QUICK = Config(samples=3_200, channels=2, draws=2, rtol_draws=1, fixed=((32, 4),), rtol=0.3, normal_rtols=(0.3,),
-               normal_draws=1, order_batches=(16,), reads=(16, 32), curve_draws=1)
+               normal_draws=1, order_batches=(16,), reads=(16, 32), curve_draws=1, few=(6, 8), few_channels=2,
+               few_draws=1)
+#: What ``--medium`` runs: every table, with fewer draws (well under 15 minutes on two shared cores).
+MEDIUM = Config(samples=40_000, channels=8, draws=20, rtol_draws=6, fixed=((32, 32), (2, 128)), rtol=0.1,
+                normal_rtols=(5e-2,), normal_draws=4, order_batches=(32, 128), reads=(16, 32, 64, 128, 256),
+                curve_draws=8, few_draws=20)
 
 
 def _cells(r: Dict[str, float]) -> List[str]:
@@ -290,7 +336,7 @@ def _stop_cells(s: Dict[str, float]) -> List[str]:
             "{:.0%}".format(s["marked"]) if s["stopped"] else "-"]
 
 
-def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, curves: Dict,
+def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, few: Dict, curves: Dict,
            argv: Optional[Sequence[str]], threads: int) -> str:
     rows = [[kind] + [c for shape in cfg.fixed for c in _cells(fixed[kind, shape])] + _stop_cells(stops[kind])
             for kind in KINDS]
@@ -315,7 +361,8 @@ def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, cur
         "{} samples per population, {} channels, {} draws per fixed budget (batches x batch size), {} draws "
         "with `rtol={:g}` and a budget of the whole population ({} batches of 32). \"covered\": the true error "
         "within two stated standard errors; \"marked\": in `LayerReport.se_untrusted`; \"marked at the stop\": "
-        "passes that stopped on `rtol` with a channel marked.".format(
+        "passes that stopped on `rtol` with a channel marked for what the loader did (any reason but heavy "
+        "tails).".format(
             cfg.samples, cfg.channels, cfg.draws, cfg.rtol_draws, cfg.rtol, cfg.samples // 32),
         common.markdown_table(headers + stop_headers, rows),
         "## Loaders that break independence",
@@ -332,6 +379,16 @@ def render(cfg: Config, fixed: Dict, stops: Dict, normal: Dict, order: Dict, cur
         "Mean and variance both covered, or marked, against the batches read ({} draws each; "
         "`calibration.png`):".format(cfg.curve_draws),
         common.markdown_table(["loader"] + ["{} batches".format(k) for k in cfg.reads], curve_rows),
+        "## Few batches",
+        "k batches of 32 ({} channels, {} draws per k): the normal, t5 and lognormal1 populations read "
+        "shuffled, the AR(1) 0.9 and mean-drift loaders. \"covered\": the population's value within "
+        "`t975(k - 1)` standard errors; then the share of channels flagged, in all and per reason "
+        "(`precise_bn.precision.runs_from` gives the calls from which each can fire).".format(
+            cfg.few_channels, cfg.few_draws),
+        common.markdown_table(["batches", "k", "mean covered", "var covered", "flagged"] + list(FLAGS), [
+            [kind, str(k), "{:.1%}".format(r["mean"]), "{:.1%}".format(r["var"])]
+            + ["{:.1%}".format(r[key]) for key in ("any",) + tuple(FLAGS)]
+            for kind in FEW_KINDS for k, r in zip(cfg.few, few[kind])]),
         "## `rtol` on normal data",
         "`rtol` on an endless stream of standard normal batches (64 channels, batches of 32, {} passes each): "
         "`rtol` promises about 95% of channels within it, i.e. at most about 5% beyond.".format(cfg.normal_draws),
@@ -365,7 +422,7 @@ def study(cfg: Config) -> tuple:
     """Every measurement of the page, on one thread: tensors this small only lose time to more."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    fixed, stops, normal, order, curves = {}, {}, {}, {}, {}
+    fixed, stops, normal, order, few, curves = {}, {}, {}, {}, {}, {}
     budget = cfg.samples // 32
     try:
         for kind in KINDS:
@@ -383,19 +440,24 @@ def study(cfg: Config) -> tuple:
             common.log.info("calibration: %s, rtol=%g", kind, cfg.rtol)
             stops[kind] = order_rtol(kind, x, cfg.rtol, budget, cfg.rtol_draws)
             curves[kind] = detection(kind, x, cfg.reads, cfg.curve_draws)
+        for kind in FEW_KINDS:
+            common.log.info("calibration: %s, few batches", kind)
+            source = population(kind if kind in KINDS else "normal", cfg.samples, cfg.few_channels)
+            few[kind] = few_batches(kind, source, cfg.few, cfg.few_draws)
         for rtol in cfg.normal_rtols:
             common.log.info("calibration: normal stream, rtol=%g", rtol)
             normal[rtol] = normal_rtol(rtol, cfg.normal_draws)
     finally:
         torch.set_num_threads(threads)
-    return fixed, stops, normal, order, curves
+    return fixed, stops, normal, order, few, curves
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser)
+    parser.add_argument("--medium", action="store_true", help="every table with fewer draws (minutes)")
     args = common.parse_common(parser, argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = QUICK if args.quick else MEDIUM if args.medium else FULL
     results = study(cfg)
     text = render(cfg, *results, argv, 1)
     (args.out / "CALIBRATION.md").write_text(text, encoding="utf-8")

@@ -38,7 +38,8 @@ import common
 from precise_bn import CheckReport, check, recompute
 from precise_bn.digits import BATCH_SIZE, load_digits, make_model, train
 from precise_bn.estimator import PopulationStats
-from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, LayerFit, t_tail
+from precise_bn.precision import t_tail
+from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, LayerFit
 
 #: The CNN's convolutions (indices in its Sequential) and the BN layer right after each.
 CONVS = (0, 3, 6)

@@ -1,15 +1,7 @@
-"""Per-layer population statistics merged exactly in float64, and their standard errors.
-
-Per channel, the element count, the mean and ``M2 = sum (x - mean)^2``, all float64, merged with
-Chan's formula weighted by element counts: never ``E[x^2] - E[x]^2``, which cancels when a mean
-is large next to its std; every term of the merge is non-negative, so ``M2`` never goes below
-zero. The result is the biased variance of every element seen, what BatchNorm divides by.
-Beside them, the between-call moments behind the standard errors (the calls taken as independent
-draws), their own spread (:mod:`precise_bn.se_spread`) and the order diagnostics
-(:mod:`precise_bn.order`). This module knows nothing of modules, hooks or processes.
-
-Derivations: ``docs/numerics.md`` (the merge), ``docs/precision.md`` (standard errors, section
-"Derivations").
+"""Per-layer population statistics merged exactly in float64 (Chan's formula: every term
+non-negative, never ``E[x^2] - E[x]^2``), and the between-call moments behind their standard
+errors, the heavy-tails test (:mod:`precise_bn.se_spread`) and the order tests
+(:mod:`precise_bn.order`). Derivations: ``docs/numerics.md``, ``docs/precision.md``.
 """
 from __future__ import annotations
 
@@ -23,25 +15,17 @@ from . import order as order_sums
 from .errors import NonFiniteStatsError
 from .se_spread import POWERS, affine, power_sums, spread_of_squares
 
-#: ``sum e_i^2`` of the mean and of the variance, per channel (:meth:`PopulationStats.spreads`).
 Spreads = Tuple[torch.Tensor, torch.Tensor]
-# The six entries of a symmetric 3x3 co-moment matrix, in storage order.
 _PAIRS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2))
-#: Per-channel rows of a packed :meth:`PopulationStats.state`: mean, M2, centre, u (3), cov (6),
-#: then the tail sums and the order sums, each row one value per channel.
+#: Per-channel rows of a packed :meth:`PopulationStats.state`.
 STATE_ROWS = 12 + len(POWERS) + order_sums.ROWS
 
 
 @dataclass
 class CallGroup:
-    """A group of calls combined: what :meth:`PopulationStats.add` merges.
-
-    ``count`` elements per channel over ``calls`` calls, ``weight`` = sum of the squared
-    per-call counts; float64 per channel: ``mean``, ``m2``, and around ``center`` the
-    count²-weighted mean ``u`` (3, C) and co-moments ``cov`` (6, C) of the calls' ``u_i``;
-    the count⁴-weighted power sums ``sums`` (15, C) of the tail diagnostic; and the ``order``
-    sums (:mod:`precise_bn.order`) of the calls in the order they ran.
-    """
+    """Calls combined, as :meth:`PopulationStats.add` merges them: ``weight`` = sum of the squared
+    per-call counts; around ``center``, the count²-weighted mean ``u`` and co-moments ``cov`` of
+    ``(m_i - c, v_i, (m_i - c)^2)``, the tails test's ``sums`` and the ``order`` sums."""
 
     count: int
     calls: int
@@ -70,15 +54,9 @@ def combine_calls(
     center: torch.Tensor,
     unbiased: bool = False,
 ) -> CallGroup:
-    """Combine k calls, float64 ``(k, C)`` ``means`` and ``variances`` (both **overwritten**),
-    with ``counts[i]`` elements per channel each, in the order they ran, into one
-    :class:`CallGroup` around ``center``.
-
-    ``unbiased`` says the variances carry Bessel's correction (a BN kernel's running_var). The
-    calls are combined around their own weighted mean (``M2 = sum M2_i + sum n_i d_i^2``, every
-    term non-negative) with matrix products over the k calls: a handful of operators per block
-    of calls instead of several per call.
-    """
+    """Combine k calls in the order they ran, float64 ``(k, C)`` ``means`` and ``variances``
+    (both **overwritten**; ``unbiased``: with Bessel's correction), into one :class:`CallGroup`
+    around ``center``, by matrix products over the calls."""
     total = sum(counts)
     n = torch.tensor(counts, dtype=torch.float64, device=means.device)
     if unbiased:
@@ -110,11 +88,8 @@ def _recentre(group: CallGroup, center: torch.Tensor) -> Tuple[torch.Tensor, tor
 
 
 class PopulationStats:
-    """Running (count, mean, M2) per channel of one BN layer in float64, and the between-call
-    moments that give its standard errors (see the module docstring).
-
-    ``count``, ``calls`` and ``weight`` are Python ints, exact and free to read on a GPU.
-    """
+    """Running (count, mean, M2) per channel of one BN layer, and the between-call moments;
+    ``count``, ``calls`` and ``weight`` are Python ints, exact and free to read on a GPU."""
 
     def __init__(self, num_channels: int, name: str = "", device: Optional[torch.device] = None):
         self.name = name
@@ -141,8 +116,7 @@ class PopulationStats:
         )
 
     def add_call(self, mean: torch.Tensor, var: torch.Tensor, count: int, unbiased: bool = False) -> None:
-        """Add one call's per-channel mean and variance over ``count`` elements per channel;
-        ``unbiased`` says ``var`` carries Bessel's correction (PyTorch's ``running_var``)."""
+        """Add one call's mean and variance over ``count`` elements per channel."""
         if count <= 0:
             return
         means = mean.to(self.device, torch.float64).reshape(1, -1).clone()
@@ -150,8 +124,7 @@ class PopulationStats:
         self.add(combine_calls(means, variances, [count], self.center_for(means[0]), unbiased))
 
     def center_for(self, first_means: torch.Tensor) -> torch.Tensor:
-        """The centre a new group must use: this layer's, set from ``first_means`` (float64,
-        the group's first call) while the layer has seen nothing."""
+        """The layer's centre, set from a first group's ``first_means`` while it has seen nothing."""
         if self.count == 0:
             self.center.copy_(first_means)
         return self.center
@@ -209,15 +182,11 @@ class PopulationStats:
                          self.sums, self.order)
 
     def finalize(self, unbiased: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Return float64 ``(mean, var)``: the biased population variance ``M2 / n`` by default.
-
-        Raises NonFiniteStatsError (naming the layer) when any channel is NaN or Inf, which
-        happens only when the data or the network produced non-finite activations.
-        """
+        """Float64 ``(mean, var)``, the variance biased unless ``unbiased``; raises
+        NonFiniteStatsError naming the layer when a channel is NaN or Inf."""
         if self.count == 0:
             raise ValueError("layer {!r} saw no element; nothing to finalize".format(self.name))
-        # NaN and Inf propagate through a sum, so one reduction screens every channel; only a
-        # non-finite (or overflowing) total pays for the per-channel search.
+        # One sum screens every channel; only a non-finite total pays for the search.
         if not math.isfinite(float(self.mean.sum() + self.m2.sum())):
             self._raise_if_non_finite()
         return self.mean.clone(), self.m2 / float(self._denominator(unbiased))
@@ -226,17 +195,13 @@ class PopulationStats:
         return self.count - 1 if unbiased and self.count > 1 else self.count
 
     def _undefined(self, count: int = 2) -> Tuple[torch.Tensor, ...]:
-        """``count`` NaN tensors shaped like the mean: what the spread between calls gives until two
-        calls hold elements."""
+        """NaN per channel: the spread between calls until two calls hold elements."""
         return tuple(torch.full_like(self.mean, float("nan")) for _ in range(count))
 
     def stderr(self, unbiased: bool = False,
                spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel standard errors of :meth:`finalize`'s mean and variance (float64), from
-        :meth:`spreads` (computed here unless given).
-
-        NaN until two calls hold elements: one call says nothing about the spread between calls.
-        """
+        """Standard errors of :meth:`finalize`'s mean and variance per channel; NaN until two
+        calls hold elements."""
         if self.count ** 2 <= self.weight:
             return self._undefined()
         spread_mean, spread_var = spreads or self.spreads()
@@ -245,21 +210,19 @@ class PopulationStats:
         return (spread_mean * factor).clamp_(min=0).sqrt_(), (spread_var * factor).clamp_(min=0).sqrt_() * scale
 
     def effective_calls(self) -> float:
-        """``N^2 / sum n_i^2``: the number of calls of equal counts that would weigh the same (0 empty)."""
+        """``N^2 / sum n_i^2``: as many equal calls would weigh the same (0 empty)."""
         return self.count ** 2 / self.weight if self.weight else 0.0
 
     def order_stats(self, spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, ...]:
-        """Per channel, for the mean then the variance: the lag-1 correlation of the deviations
-        behind the standard errors over consecutive calls, and the z-score of their trend along
-        the calls (``docs/precision.md``), from :meth:`spreads` (computed here unless given); 0
-        for a channel without spread, NaN until two calls hold elements."""
+        """Lag-1 correlations (mean, variance) of the deviations behind the standard errors, then
+        their trends' z-scores along the calls; 0 without spread, NaN until two calls."""
         if self.count ** 2 <= self.weight:
             return self._undefined(4)
         n = float(self.count)
         d = self.mean - self.center
         one, zero = torch.ones_like(d), torch.zeros_like(d)
         b = torch.stack([torch.stack([-d, one, zero]), torch.stack([d * d - self.m2 / n, -2.0 * d, one])])
-        lag = self.order[order_sums.LAG].view(3, 3, -1)
+        lag = order_sums.lag_matrix(self.order)
         trend = self.order[order_sums.TREND]
         serial = ((b.unsqueeze(2) * lag).sum(1) * b).sum(1)  # b^T L b, for the mean and the variance
         drift = (b * trend).sum(1)
@@ -271,8 +234,7 @@ class PopulationStats:
         return lagged[0], lagged[1], trended[0], trended[1]
 
     def spreads(self) -> Spreads:
-        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel:
-        what :meth:`stderr`, :meth:`tail_spread` and :meth:`order_stats` rest on."""
+        """``sum n_i^2 (m_i - mu)^2`` and ``sum n_i^2 (y_i - s2)^2`` over the calls, per channel."""
         w = float(self.weight)
         shift = self.mean - self.center
         var = self.m2 / float(self.count)
@@ -288,9 +250,8 @@ class PopulationStats:
         return spread_mean.clamp_(min=0), spread_var.clamp_(min=0)
 
     def tail_spread(self, spreads: Optional[Spreads] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per channel, ``r`` of the squared standard errors of the mean and of the variance
-        (their relative standard deviation; see the module docstring): 0.35 at k = 16 calls of
-        normal data. 0 for a channel without spread, NaN until two calls hold elements."""
+        """Per channel, ``r = sqrt(sum e_i^4 / (sum e_i^2)^2 - 1/k)`` of the mean's and the
+        variance's deviations ``e_i`` (``docs/precision.md``): about ``sqrt(2/k)`` on normal calls."""
         if self.count ** 2 <= self.weight:
             return self._undefined()
         return spread_of_squares(self.sums, self.mean - self.center, self.m2 / float(self.count),
@@ -308,8 +269,8 @@ class PopulationStats:
             )
 
     def state(self) -> torch.Tensor:
-        """Pack ``[count, calls, weight, mean, M2, centre, u, cov, sums]`` in one float64
-        vector (for collectives). Counts above 2**53 would lose bits; no pass comes near."""
+        """``[count, calls, weight]`` and every tensor of :meth:`as_group`, in one float64 vector
+        (for collectives); counts above 2**53 would lose bits."""
         head = torch.tensor([float(self.count), float(self.calls), float(self.weight)], dtype=torch.float64,
                             device=self.device)
         return torch.cat([head] + [t.reshape(-1) for t in self.as_group().tensors()])
@@ -334,15 +295,9 @@ class PopulationStats:
 def pool_with_prior(source: Tuple[torch.Tensor, torch.Tensor], target: Tuple[torch.Tensor, torch.Tensor],
                     prior: float, samples: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The source statistics, counted as ``prior`` samples, and the target's, measured on
-    ``samples`` samples, pooled per channel as one population (float64 ``(mean, var)``).
-
-    Chan's merge with the source as one more call: with ``N = prior``, ``n = samples`` and
-    ``d = mu_t - mu_s``, the mean is ``mu_s + d n / (N + n)`` and the variance
-    ``(N var_s + n var_t) / (N + n) + N n d^2 / (N + n)^2``. The last term is the spread between
-    the two domains' means: a mixture of two populations is wider than either when their means
-    differ, so leaving it out (``prior * var_s + (1 - prior) * var_t``) understates the variance
-    exactly when the domain moved. Every term is non-negative.
-    """
+    ``samples``, pooled per channel as one population (Chan's merge with the source as one more
+    call). Its last term, the spread between the two means, is what ``prior * var_s + (1 - prior)
+    * var_t`` leaves out: a mixture is wider than either part when the domain moved."""
     mu_t, var_t = target
     mu_s, var_s = (t.to(mu_t.device, torch.float64) for t in source)
     total = prior + samples

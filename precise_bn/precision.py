@@ -1,18 +1,13 @@
-"""The precision stop: what ``rtol`` promises, the per-channel test that keeps it, the channels
-whose standard errors cannot be trusted, and the warnings when it cannot be met.
+"""The precision stop, Student's t, and the flags on standard errors that cannot be trusted.
 
-What ``rtol`` promises: with ``rtol=r``, about 95% of channels end within ``r`` of the
-population value (the mean in units of the std, the variance relative to itself). The pass stops
-once ``t_{0.975, k-1}`` standard errors, each taken one of its own standard deviations high, are
-within ``r`` for every channel of every layer, a channel of variance 0 has been read on at least
-``12 / r^2`` samples (the rule of three at ``(r/2)^2``), and no channel is flagged (:data:`FLAGS`):
-the statistics the pass merges show that its batches are not independent draws, or that its
-standard errors rest on too few of them. Every condition is a per-channel ratio that is at most 1
-when met (:func:`rtol_ratios`), a pure function of one layer's merged statistics, so that ranks
-may combine per-layer maxima. ``docs/precision.md`` derives each test and what it cannot see.
+``rtol=r`` promises about 95% of channels within ``r`` of the population value; every condition
+of its stop is a per-layer pure function of the merged statistics, so ranks combine maxima. Each
+flag is a test with a stated false-alarm rate on independent normal calls, run from the calls at
+which it can fire (:func:`runs_from`); ``docs/precision.md`` derives them and gives the rates.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -22,50 +17,152 @@ from .errors import warn
 from .estimator import PopulationStats
 from .options import Options
 
-#: Why a channel's standard errors are not trusted, in plain words (a short label, then what it
-#: means), in the order a channel is named by: the first that holds.
+#: Why standard errors are not trusted (label, what was seen); a channel is named by the first.
 FLAGS = {
-    "repeated": ("the same batch repeated",
-                 "every batch has the same means and variances, bit for bit (the same batch read again and "
-                 "again)"),
+    "identical": ("identical batch statistics",
+                  "every batch gave the same means and variances, bit for bit: one batch read again and again, "
+                  "or values rounded so coarsely (bfloat16) that every batch rounds to the same statistics"),
     "concentrated": ("a few batches hold most elements",
                      "a few batches hold most of the elements, so the standard errors rest on a few draws"),
-    "tails": ("heavy tails",
-              "a few batches carry most of the spread behind the standard errors (heavy tails, rare outliers or "
-              "rare activity)"),
     "drift": ("drift along the data",
               "the mean or variance moves along the data: early and late batches disagree beyond their standard "
               "errors (data read in order, not shuffled)"),
     "correlated": ("consecutive batches alike",
                    "consecutive batches resemble each other, so they say less than as many independent ones (data "
                    "read in order, clips of a few videos, sequential shards)"),
+    "tails": ("heavy tails",
+              "the calls' deviations are heavier-tailed than normal calls give at this number of calls (a rare "
+              "outlier, rare activity, one batch unlike the others)"),
 }
-#: A standard error whose square has a relative spread above this
-#: (:meth:`~precise_bn.estimator.PopulationStats.tail_spread`) is not trusted: it may itself be
-#: off by a quarter or more.
-TAIL_LIMIT = 0.5
-#: Calls whose means and second moments spread less than this relative to the channel's
-#: magnitude (their count²-weighted standard deviation, the standard error times
-#: ``sqrt((N^2 - sum n^2) / sum n^2)``) are the same batch read again, bit for bit: the float64
-#: merge's own rounding. A looser test takes for repeats what legitimately spreads little
-#: (``docs/precision.md``).
+#: A spread between calls below this, relative to the channel's magnitude, is the merge's rounding.
 REPEATED = 1e-12
-#: Fewer effective calls than this, ``2 / TAIL_LIMIT^2``, leave the squared standard error of normal
-#: data a relative spread above :data:`TAIL_LIMIT`; flagged when also under half the calls.
-CONCENTRATED = 2.0 / TAIL_LIMIT ** 2
+#: Fewer equal calls' weight than this (and than half the calls) is concentrated.
+CONCENTRATED = 8
+#: The chance that the tails test flags any channel of a layer of independent normal calls.
+FALSE_ALARM = 0.01
 #: A trend of the deviations along the calls beyond this many of its standard deviations is a drift.
 DRIFT_Z = 5.0
-#: A lag-1 correlation above ``SERIAL + SERIAL_Z / sqrt(k)`` is flagged: beyond SERIAL, two standard
-#: errors of an AR(1) stream would cover under 90%; SERIAL_Z standard deviations of the statistic
-#: keep false alarms rare on independent batches.
+#: A lag-1 correlation above ``SERIAL + SERIAL_Z / sqrt(k)`` is flagged.
 SERIAL, SERIAL_Z = 0.2, 3.5
+#: What the loader did, first in :data:`FLAGS`: ``rtol`` waits on these (heavy tails widen its bound).
+LOADER_FLAGS = ("identical", "concentrated", "drift", "correlated")
+
+
+#: Student's t beyond this many degrees of freedom uses this many: slightly heavier tails, a bounded cost.
+MAX_DOF = 100000.0
+
+
+def _continued_fraction(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The incomplete beta's continued fraction (modified Lentz), for ``x < (a + 1) / (a + b + 2)``."""
+    tiny = 1e-300
+    c = torch.ones_like(x)
+    d = 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
+    h = d.clone()
+    for m in range(1, 10000):
+        for coefficient in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
+                            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
+            d = 1.0 + coefficient * d
+            d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
+            c = 1.0 + coefficient / c
+            c = torch.where(c.abs() < tiny, torch.full_like(c, tiny), c)
+            step = d * c
+            h = h * step
+        if not bool(((step - 1.0).abs() > 1e-12).any()):
+            break
+    return h
+
+
+def t_tail(t: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
+    """``P(T > t)`` for Student's t with ``dof`` (at most :data:`MAX_DOF`) degrees of freedom,
+    float64, accurate far into the tail: ``I_x(dof/2, 1/2) / 2`` with ``x = dof / (dof + t^2)``."""
+    t, dof = torch.broadcast_tensors(t.double(), dof.double().clamp(max=MAX_DOF))
+    square = t * t
+    x = dof / (dof + square)
+    rest = 1.0 / (1.0 + dof / square)  # 1 - x without cancellation, 1 at t = +-inf
+    a, b = dof / 2.0, torch.full_like(dof, 0.5)
+    swap = x > (a + 1.0) / (a + b + 2.0)
+    p, q = torch.where(swap, b, a), torch.where(swap, a, b)
+    u, v = torch.where(swap, rest, x), torch.where(swap, x, rest)
+    log_front = torch.lgamma(p + q) - torch.lgamma(p) - torch.lgamma(q) + p * torch.log(u) + q * torch.log(v)
+    part = torch.exp(log_front) * _continued_fraction(p, q, u) / p
+    half = 0.5 * torch.where(swap, 1.0 - part, part)
+    return torch.where(t >= 0, half, 1.0 - half)
+
+
+@functools.lru_cache(maxsize=None)
+def t975(dof: int) -> float:
+    """Student's 97.5% quantile: Newton's steps on :func:`t_tail` from the normal's, below it."""
+    nu = min(float(dof), MAX_DOF)
+    log_density = math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2) - 0.5 * math.log(nu * math.pi)
+    t = 1.959963984540054
+    for _ in range(100):
+        excess = float(t_tail(torch.tensor(t), torch.tensor(nu))) - 0.025
+        step = excess / math.exp(log_density - (nu + 1) / 2 * math.log1p(t * t / nu))
+        t += step
+        if step < 1e-13 * t:
+            break
+    return t
+
+
+def _kurtosis_p(b2: torch.Tensor, k: int) -> torch.Tensor:
+    """The chance that k independent normal draws show a kurtosis ``b2`` or more, by Anscombe and
+    Glynn's (1983) normal score (1 where it is undefined: ``b2`` far below normal)."""
+    mean = 3.0 * (k - 1) / (k + 1)
+    sd = math.sqrt(24.0 * k * (k - 2) * (k - 3) / ((k + 1) ** 2 * (k + 3) * (k + 5)))
+    skew = 6.0 * (k * k - 5 * k + 2) / ((k + 7) * (k + 9)) * math.sqrt(
+        6.0 * (k + 3) * (k + 5) / (k * (k - 2) * (k - 3)))
+    a = 6.0 + 8.0 / skew * (2.0 / skew + math.sqrt(1.0 + 4.0 / skew ** 2))
+    below = 1.0 + (b2 - mean) / sd * math.sqrt(2.0 / (a - 4.0))
+    root = ((1.0 - 2.0 / a) / below.clamp(min=1e-300)).pow(1.0 / 3.0)
+    z = (1.0 - 2.0 / (9.0 * a) - root) / math.sqrt(2.0 / (9.0 * a))
+    return torch.where(below > 0, 0.5 * torch.erfc(z / math.sqrt(2.0)), torch.ones_like(z))
+
+
+def _as_normal(b2: torch.Tensor, k: int, shape: float) -> torch.Tensor:
+    """The kurtosis ``b2`` of k gamma draws of ``shape`` (a call's second moment over ``2 shape``
+    normal elements) moved to the normal law's scale, its mean and large-k variance matched."""
+    a = max(shape, 1.0)
+    m3, m4, m5 = 2 * a, 3 * a * a + 6 * a, 20 * a * a + 24 * a
+    m6 = 15 * a ** 3 + 130 * a * a + 120 * a
+    m8 = 105 * a ** 4 + 2380 * a ** 3 + 7308 * a * a + 5040 * a
+    spread = (m8 / a ** 4 - 4 * m6 * m4 / a ** 5 - 8 * m5 * m3 / a ** 4 + 4 * m4 ** 3 / a ** 6 - m4 * m4 / a ** 4
+              + 16 * m4 * m3 * m3 / a ** 5 + 16 * m3 * m3 / a ** 3)
+    normal = 3.0 * (k - 1) / (k + 1)
+    return normal + (b2 - normal * m4 / (3 * a * a)) * math.sqrt(24.0 / spread)
+
+
+def tails_level(channels: int) -> float:
+    """Each tails test's level: :data:`FALSE_ALARM` shared over a layer's channels, mean and variance."""
+    return FALSE_ALARM / (2.0 * max(channels, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def runs_from(reason: str, channels: int = 1) -> int:
+    """The fewest calls at which ``reason`` can flag a channel of a layer of ``channels``: below,
+    it is not run. A trend's z-score is at most ``sqrt(k - 1)``, a lag-1 correlation below 1, and
+    the kurtosis of k calls at most ``k - 2 + 1 / (k - 1)`` (one call carrying all the spread)."""
+    if reason == "drift":
+        return int(DRIFT_Z ** 2) + 2
+    if reason == "correlated":
+        return int((SERIAL_Z / (1.0 - SERIAL)) ** 2) + 1
+    if reason != "tails":
+        return 2
+    k = CONCENTRATED
+    while float(_kurtosis_p(torch.tensor(k - 2.0 + 1.0 / (k - 1)), k)) >= tails_level(channels):
+        k += 1
+    return k
+
+
+def not_run(calls: int, channels: int) -> List[str]:
+    """The flags a layer of ``channels`` run ``calls`` times could not test."""
+    return [reason for reason in FLAGS if calls < runs_from(reason, channels)] if calls >= 2 else []
 
 
 def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
-    """The ratios of :data:`FLAGS` (rows in that order, each above 1 when it holds), then the
-    standard errors and the tail spreads of the mean and the variance; needs two calls holding
-    elements."""
-    out = torch.zeros(len(FLAGS), stats.num_channels, dtype=torch.float64, device=stats.device)
+    """Rows of :data:`FLAGS`, above 1 where one holds; the standard errors and tail spreads."""
+    channels, k = stats.num_channels, stats.calls
+    out = torch.zeros(len(FLAGS), channels, dtype=torch.float64, device=stats.device)
     spreads = stats.spreads()
     mean_se, var_se = stats.stderr(spreads=spreads)
     mean_r, var_r = stats.tail_spread(spreads)
@@ -73,20 +170,23 @@ def _diagnostics(stats: PopulationStats) -> Tuple[torch.Tensor, ...]:
     live = (var > 0) & torch.isfinite(var) & torch.isfinite(stats.mean)
     calls = math.sqrt((stats.count ** 2 - stats.weight) / stats.weight)  # the calls' spread over the standard error
     spread = torch.max(mean_se * calls / (stats.mean * stats.mean + var).sqrt(), var_se * calls / var)
-    lag_mean, lag_var, trend_mean, trend_var = stats.order_stats(spreads)
-    k, k_eff = stats.calls, stats.effective_calls()
     inf = torch.full_like(var, float("inf"))
     out[0] = torch.where(spread > 0, REPEATED / spread, inf)
-    out[1] = min(CONCENTRATED, k / 2.0) / k_eff
-    out[2] = torch.max(mean_r, var_r) / TAIL_LIMIT
-    out[3] = torch.max(trend_mean.abs(), trend_var.abs()) / DRIFT_Z
-    out[4] = torch.max(lag_mean, lag_var) / (SERIAL + SERIAL_Z / math.sqrt(k))
+    out[1] = min(CONCENTRATED, k / 2.0) / stats.effective_calls()
+    if k >= runs_from("tails", channels):
+        mix = stats.effective_calls()  # b2 * k_eff / k: calls of unequal counts are a normal mixture
+        p = torch.min(_kurtosis_p((k * mean_r.square() + 1.0) * (mix / k), k),
+                      _kurtosis_p(_as_normal((k * var_r.square() + 1.0) * (mix / k), k, stats.count / (2.0 * k)), k))
+        out[4] = torch.where(p > 0, tails_level(channels) / p, inf)
+    if k >= min(runs_from("drift"), runs_from("correlated")):
+        lag_mean, lag_var, trend_mean, trend_var = stats.order_stats(spreads)
+        out[2] = torch.max(trend_mean.abs(), trend_var.abs()) / DRIFT_Z
+        out[3] = torch.max(lag_mean, lag_var) / (SERIAL + SERIAL_Z / math.sqrt(k))
     return torch.where(live, out, torch.zeros_like(out)), mean_se, var_se, mean_r, var_r
 
 
 def flags(stats: PopulationStats) -> Dict[str, List[int]]:
-    """The channels whose standard errors cannot be trusted, by the first reason of :data:`FLAGS`
-    that holds (reasons without a channel left out)."""
+    """The channels whose standard errors cannot be trusted, under the first reason that holds."""
     out: Dict[str, List[int]] = {}
     if stats.count ** 2 <= stats.weight:
         return out
@@ -100,37 +200,14 @@ def flags(stats: PopulationStats) -> Dict[str, List[int]]:
     return out
 
 
-def t975(dof: int) -> float:
-    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom: exact for 1 and 2,
-    else the Cornish-Fisher expansion around the normal 1.96 (within 0.8% at 3, 0.03% from 7)."""
-    if dof <= 2:
-        return math.tan(math.pi * 0.475) if dof == 1 else 0.95 * math.sqrt(2.0 / (4 * 0.975 * 0.025))
-    z = 1.959963984540054
-    terms = ((z ** 3 + z) / 4, (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96,
-             (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384)
-    return z + sum(term / dof ** (i + 1) for i, term in enumerate(terms))
-
-
-#: The conditions of :func:`rtol_ratios`, in the order of its rows.
-RTOL_CONDITIONS = ("mean", "variance", "dead") + tuple(FLAGS)
+RTOL_CONDITIONS = ("mean", "variance", "dead") + LOADER_FLAGS
 
 
 def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tensor:
-    """Per condition of :data:`RTOL_CONDITIONS` and channel, a ratio that is at most 1 when
-    ``rtol`` holds (see the module docstring), float64 ``(8, C)``:
-
-    * ``mean``: ``t * (1 + r/2) * mean_stderr / (rtol * std)``; ``variance``:
-      ``t * (1 + r/2) * var_stderr / (rtol * var)``, ``t`` the 97.5% quantile of Student's t
-      with ``calls - 1`` degrees of freedom, ``r`` the standard error's :meth:`tail spread
-      <precise_bn.estimator.PopulationStats.tail_spread>`, so that ``(1 + r/2)`` lifts the
-      standard error by one of its own standard deviations;
-    * ``dead``: for a channel of variance 0, ``sqrt(3 / samples) / (rtol / 2)``;
-    * the flags of :data:`FLAGS`, each above 1 when it holds.
-
-    A layer that never ran gives zeros; one with fewer than two calls holding elements, ``inf``
-    (no standard error yet). ``samples`` counts the samples read over all ranks. A pure function
-    of the layer's merged statistics, so ranks can combine per-layer maxima.
-    """
+    """Per condition of ``RTOL_CONDITIONS`` and channel, a ratio at most 1 when met: ``t (1 + r/2)``
+    standard errors over ``rtol`` times the std (mean) or the variance, ``t`` Student's 97.5%
+    quantile, ``r`` the tail spread (one of the standard error's own deviations higher); ``sqrt(3 /
+    samples) / (rtol / 2)`` for a channel of variance 0; the loader's flags. ``inf`` until two calls."""
     out = torch.zeros(len(RTOL_CONDITIONS), stats.num_channels, dtype=torch.float64, device=stats.device)
     if stats.count == 0:
         return out
@@ -138,8 +215,8 @@ def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tens
         return out.fill_(float("inf"))
     var = stats.m2 / stats.count
     live = var > 0
-    # The standard errors relative to the variance: the same with Bessel's correction.
-    out[3:], mean_se, var_se, mean_r, var_r = _diagnostics(stats)
+    ratios, mean_se, var_se, mean_r, var_r = _diagnostics(stats)
+    out[3:] = ratios[:len(LOADER_FLAGS)]
     scale = t975(stats.calls - 1) / rtol
     out[0] = torch.where(live, mean_se * (1.0 + 0.5 * mean_r) * scale / var.sqrt(), out[0])
     out[1] = torch.where(live, var_se * (1.0 + 0.5 * var_r) * scale / var, out[1])
@@ -148,17 +225,14 @@ def rtol_ratios(stats: PopulationStats, rtol: float, samples: int) -> torch.Tens
 
 
 def worst_ratio(stats: PopulationStats, rtol: float, samples: int) -> float:
-    """The largest of a layer's :func:`rtol_ratios` (0 for a layer without channels or calls).
-    When every layer's is at most 1, about 95% of channels are within ``rtol`` of the population
-    value; the driver takes the largest over layers and ranks. ``samples``: read over all ranks."""
+    """The largest of a layer's :func:`rtol_ratios` (0 without channels or calls)."""
     ratios = rtol_ratios(stats, rtol, samples)
     return float(ratios.max()) if ratios.numel() else 0.0
 
 
 def warn_if_rtol_unreachable(opts: Options, planned: Optional[int], batch_size: Any, world: int) -> None:
-    """Before the pass: a :class:`PreciseBNWarning` when ``rtol`` is given but the budget (or
-    the data's length) allows fewer than ``min_batches`` batches over all ranks, so that
-    ``rtol`` is never checked. ``batch_size``: the loader's, if it says, to count ``num_samples``."""
+    """Before the pass: a :class:`PreciseBNWarning` when the budget or the data allow fewer than
+    ``min_batches`` batches over all ranks, so that ``rtol`` would never be checked."""
     if opts.rtol is None:
         return
     limits = []
@@ -175,12 +249,13 @@ def warn_if_rtol_unreachable(opts: Options, planned: Optional[int], batch_size: 
                  opts.min_batches))
 
 
-def _named(names: Sequence[str], reasons: Sequence[Dict[str, List[int]]], skip: Sequence[str] = ()) -> str:
-    """The flagged channels of every layer in plain words, by reason; empty when there are none."""
+def _named(names: Sequence[str], reasons: Sequence[Dict[str, List[int]]]) -> str:
+    """The channels flagged for what the loader did, in plain words by reason; empty when none."""
     parts = []
-    for reason, (_, words) in FLAGS.items():
+    for reason in LOADER_FLAGS:
+        words = FLAGS[reason][1]
         where = [(name, layer[reason]) for name, layer in zip(names, reasons) if reason in layer]
-        if reason in skip or not where:
+        if not where:
             continue
         shown = "; ".join("layer {!r}, channel{} {}{}".format(
             name, "" if len(channels) == 1 else "s", ", ".join(map(str, channels[:6])),
@@ -192,8 +267,7 @@ def _named(names: Sequence[str], reasons: Sequence[Dict[str, List[int]]], skip: 
 
 
 def _worst(rtol: float, stats: Sequence[PopulationStats], names: Sequence[str], batches: int, samples: int) -> str:
-    """The layer and channel furthest from ``rtol`` (mean, variance or a dead channel), why, and
-    about how many more batches the standard errors suggest; empty when every channel is within."""
+    """The channel furthest from ``rtol``, why, and about how many more batches; empty if none."""
     worst = (0.0, "", 0, 0)
     for name, layer in zip(names, stats):
         ratios = rtol_ratios(layer, rtol, samples)[:3]
@@ -215,13 +289,10 @@ def _worst(rtol: float, stats: Sequence[PopulationStats], names: Sequence[str], 
 
 def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Sequence[str],
                       reasons: Sequence[Dict[str, List[int]]], batches: int, samples: int, stop: str) -> None:
-    """After a pass (``stop``, having read ``batches`` and ``samples`` over all ranks; each
-    layer's :func:`flags` in ``reasons``): a :class:`PreciseBNWarning` saying why, when ``rtol``
-    was given and not reached: the flagged channels, and the worst layer and channel with about
-    how many more batches the standard errors suggest. Without ``rtol``, one naming the channels
-    flagged for what the loader did (every flag but heavy tails, which the report counts)."""
+    """After a pass: a :class:`PreciseBNWarning` naming the channels flagged for what the loader
+    did, and, if ``rtol`` was not reached, the worst channel and the batches it would need."""
     if opts.rtol is None:
-        named = _named(names, reasons, skip=("tails",))
+        named = _named(names, reasons)
         if named:
             warn("the standard errors cannot be trusted {} (the report's se_reasons lists them)".format(named))
         return
@@ -236,5 +307,6 @@ def warn_if_imprecise(opts: Options, stats: Sequence[PopulationStats], names: Se
     if named or worst:
         warn("rtol={:g} not reached after {} batches (stopped: {}): {}{}{}".format(
             opts.rtol, batches, stop,
-            "rtol never stops while standard errors cannot be trusted, and they cannot " + named if named else "",
+            "rtol never stops while standard errors cannot be trusted for what the loader did, and they "
+            "cannot " + named if named else "",
             "; besides, " if named and worst else "", worst))

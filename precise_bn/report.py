@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import ParameterChangedError, UndoError
-from .precision import FLAGS
+from .precision import FLAGS, LOADER_FLAGS, not_run, runs_from
 from .signals import all_or_nothing
 from .snapshot import Snapshot
 
@@ -24,7 +24,8 @@ DEFINITIONS = {
     "var_rel_stderr": "largest var_stderr / new var over channels with a variance: the relative "
                       "sampling error of the written variance",
     "se_untrusted": "channels whose standard errors cannot be trusted (why: se_reasons); rtol never stops "
-                    "while there are any",
+                    "while a channel is flagged for what the loader did (every reason but heavy tails)",
+    "se_not_run": "the reasons of se_reasons not tested: the layer ran fewer calls than the test needs to fire",
     "se_reasons": "the channels of se_untrusted by reason, each under the first that holds: " + "; ".join(
         "{}: {}".format(reason, words) for reason, (_, words) in FLAGS.items()),
 }
@@ -55,19 +56,11 @@ def _relative(stderr: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> 
 
 @dataclass
 class LayerReport:
-    """One BN layer's outcome. Stats are float64 CPU tensors; ``new_*`` is None if it never ran.
-
-    ``mean_stderr`` and ``var_stderr`` are per-channel standard errors of ``new_mean`` and
-    ``new_var`` (units of ``running_mean`` and ``running_var``), estimated from the spread
-    between calls (see :mod:`precise_bn.estimator`); NaN after a single call. ``new_*`` are the
-    float64 values, before their rounding into the buffers.
-    With a ``prior``, ``new_*`` is what was written (source and target pooled) and
-    ``target_mean`` / ``target_var`` the target data's own statistics, which the drifts compare
-    with the old ones.
-    ``se_untrusted`` lists channels whose standard errors cannot be trusted, and ``se_reasons``
-    the same channels by reason (:data:`~precise_bn.precision.FLAGS`: the same batch repeated, a
-    few batches holding most elements, heavy tails, drift, correlated batches); ``rtol`` never
-    stops while there are any.
+    """One BN layer's outcome, float64 CPU tensors (``new_*`` None if it never ran, else before
+    their rounding into the buffers). ``mean_stderr`` and ``var_stderr``: standard errors of
+    ``new_*`` from the spread between calls, NaN after one call. With a ``prior``, ``new_*`` is
+    what was written and ``target_*`` the target data's own statistics, which the drifts compare.
+    ``se_reasons``: the channels of ``se_untrusted`` by reason (:data:`~precise_bn.precision.FLAGS`).
     """
 
     name: str
@@ -121,6 +114,11 @@ class LayerReport:
         """See :data:`DEFINITIONS`; None when the layer never ran."""
         return _relative(self.var_stderr, self.new_var)
 
+    @property
+    def se_not_run(self) -> List[str]:
+        """See :data:`DEFINITIONS`."""
+        return not_run(self.calls, self.old_mean.numel()) if self.ran else []
+
     def to_dict(self, with_stats: bool = False) -> Dict[str, Any]:
         out: Dict[str, Any] = {
             "name": self.name,
@@ -133,6 +131,7 @@ class LayerReport:
             "var_rel_stderr": self.var_rel_stderr,
             "se_untrusted": list(self.se_untrusted),
             "se_reasons": {reason: list(channels) for reason, channels in self.se_reasons.items()},
+            "se_not_run": self.se_not_run,
         }
         keys = ("old_mean", "old_var", "new_mean", "new_var", "mean_stderr", "var_stderr")
         for key in keys if with_stats else keys[-2:]:
@@ -155,10 +154,8 @@ def _se_cell(value: Optional[float], why: str) -> str:
 COLUMNS = {"mean drift": "mean_drift", "var drift": "var_drift", "mean se/std": "mean_rel_stderr",
            "var se/var": "var_rel_stderr"}
 
-#: A drift at least this large is marked in the printed report: the running mean was off by half
-#: a standard deviation or more, or the running variance by half or more, so the model was
-#: normalising with statistics that did not fit its data (after a weight change such as SWA,
-#: pruning or fine-tuning, or with data other than the one it trained on).
+#: A drift at least this large is marked in the printed report: the model was normalising with
+#: statistics that did not fit its data (after SWA, pruning, fine-tuning, or on other data).
 LARGE_DRIFT = 0.5
 LARGE_MARK = "*"
 
@@ -168,10 +165,29 @@ def counted(count: int, noun: str, plural: str = "") -> str:
     return "{} {}".format(count, noun if count == 1 else plural or noun + "s")
 
 
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows as columns, the first left-aligned, the others right-aligned; a row shorter than the
+    first ends with its last cell as written (a note over the remaining columns)."""
+    full = len(rows[0])
+    widths = [max(len(row[i]) for row in rows if len(row) == full) for i in range(full)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        if 1 < len(row) < full:
+            cells[-1] = row[-1]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def glossary(pairs: Sequence[Tuple[str, str]]) -> str:
+    """``(title, meaning)`` pairs, one line each, indented under a table."""
+    width = max(len(title) for title, _ in pairs)
+    return "\n".join("  {:<{w}}  {}".format(title, text, w=width) for title, text in pairs)
+
+
 def legend(titles: List[str]) -> str:
-    """What the columns ``titles`` hold, one line each, indented under a table."""
-    width = max(len(t) for t in titles)
-    return "\n".join("  {:<{w}}  {}".format(t, DEFINITIONS[COLUMNS[t]], w=width) for t in titles)
+    """What the columns ``titles`` of the printed report hold."""
+    return glossary([(title, DEFINITIONS[COLUMNS[title]]) for title in titles])
 
 
 def _drift_cell(value: float) -> str:
@@ -180,16 +196,11 @@ def _drift_cell(value: float) -> str:
 
 @dataclass
 class BNReport:
-    """The result of one recalibration; ``str(report)`` is a readable table, ending with what
-    each column means (large drifts marked, see :data:`LARGE_DRIFT`).
-
-    ``stop`` says why the pass ended (see :data:`STOP_REASONS`); ``batches`` and ``samples``
-    count what was read, summed over ranks. What the forwards changed besides the measured
-    statistics, all put back as it was: ``not_recomputed`` names the modules whose running
-    statistics a functional ``batch_norm`` call changed (not recomputed), ``changed_buffers`` every
-    other buffer changed outside the BN layers' statistics (a counter, an observer's range, a
-    functional ``batch_norm``'s statistics under other names), ``changed_parameters`` each parameter
-    written in place (the statistics were measured with what was written).
+    """The result of one recalibration; ``str(report)`` is a table ending with what each column
+    means. ``stop``: why the pass ended (:data:`STOP_REASONS`); ``batches`` and ``samples`` over
+    all ranks. What the forwards changed besides the measured statistics, all put back:
+    ``not_recomputed`` (modules whose statistics a functional ``batch_norm`` changed),
+    ``changed_buffers``, ``changed_parameters`` (written in place; measured with what was written).
     """
 
     layers: List[LayerReport] = field(default_factory=list)
@@ -281,44 +292,50 @@ class BNReport:
 
     def summary(self) -> str:
         """The first line of the table: what was read, why it stopped, the worst standard errors,
-        and how many channels' standard errors cannot be trusted, and why (what kept ``rtol``
-        from stopping the pass, when it was given)."""
+        the flagged channels by reason, and the flags not run on so few calls."""
         count = len(self.layers)
         flagged = [len(layer.se_untrusted) for layer in self.layers if layer.se_untrusted]
+        reasons = [layer.se_reasons for layer in self.layers]
         why = ", ".join("{}: {}".format(label, sum(len(layer.se_reasons.get(reason, ())) for layer in self.layers))
                         for reason, (label, _) in FLAGS.items()
                         if any(reason in layer.se_reasons for layer in self.layers))
         unknown = "one batch" if self.batches == 1 else "a layer ran once"
         untrusted = "; standard errors not trusted in {} of {} ({}){}".format(
             counted(sum(flagged), "channel"), counted(len(flagged), "layer"), why,
-            ", so rtol={:g} could not stop the pass".format(self.rtol) if self.rtol is not None else "")
+            ", so rtol={:g} could not stop the pass".format(self.rtol)
+            if self.rtol is not None and any(r in layer for r in LOADER_FLAGS for layer in reasons) else "")
+        first: Dict[str, int] = {}
+        for layer in self.layers:
+            for reason in layer.se_not_run:
+                first[reason] = max(first.get(reason, 0), runs_from(reason, layer.old_mean.numel()))
+        unrun = "; not tested on so few calls: {}".format(", ".join(
+            "{} (from {} calls)".format(FLAGS[reason][0], calls) for reason, calls in first.items())) if first else ""
         return ("precise-bn: {}, {} ({}), world size {}, {} estimator, "
-                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}").format(
+                "{:.2f} s; stopped: {}; worst relative standard error: mean {}, var {}{}{}").format(
             counted(count, "BatchNorm layer"), counted(self.batches, "batch", "batches"),
             counted(self.samples, "sample"), self.world_size, self.estimator, self.seconds,
             "rtol={:g} reached".format(self.rtol) if self.stop == "rtol" else STOP_REASONS[self.stop],
             _se_cell(self.worst("mean_rel_stderr"), unknown), _se_cell(self.worst("var_rel_stderr"), unknown),
-            untrusted if flagged else "")
+            untrusted if flagged else "", unrun)
 
     def __str__(self) -> str:
-        width = max([len("layer")] + [len(layer.name) for layer in self.layers])
-        line = "{:<{w}}  {:>6}  {:>12}  {:>10}  {:>10}  {:>12}  {:>12}"
-        rows = [self.summary(), line.format("layer", "calls", "elements", "mean drift", "var drift",
-                                            "mean se/std", "var se/var", w=width)]
+        rows: List[Sequence[str]] = [["layer", "calls", "elements", "mean drift", "var drift", "mean se/std",
+                                      "var se/var"]]
         for layer in self.layers:
             if layer.ran:
-                rows.append(line.format(layer.name, layer.calls, layer.elements, _drift_cell(layer.mean_drift),
-                                        _drift_cell(layer.var_drift), _se_cell(layer.mean_rel_stderr, "1 call"),
-                                        _se_cell(layer.var_rel_stderr, "1 call"), w=width))
+                rows.append([layer.name, str(layer.calls), str(layer.elements), _drift_cell(layer.mean_drift),
+                             _drift_cell(layer.var_drift), _se_cell(layer.mean_rel_stderr, "1 call"),
+                             _se_cell(layer.var_rel_stderr, "1 call")])
             else:
-                rows.append("{:<{w}}  {:>6}  {:>12}  {}".format(layer.name, 0, 0, "never ran: stats kept", w=width))
+                rows.append([layer.name, "0", "0", "never ran: stats kept"])
+        lines = [self.summary(), table(rows)]
         for label, names in (("not recomputed (a functional batch_norm, put back)", self.not_recomputed),
                              ("buffers the forwards changed (put back)", self.changed_buffers),
                              ("parameters the forwards wrote (put back)", self.changed_parameters)):
             if names:
-                rows.append("{}: {}".format(label, ", ".join(names)))
-        rows.append(legend(list(COLUMNS)))
+                lines.append("{}: {}".format(label, ", ".join(names)))
+        lines.append(legend(list(COLUMNS)))
         if any(layer.ran and max(layer.mean_drift, layer.var_drift) >= LARGE_DRIFT for layer in self.layers):
-            rows.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(
+            lines.append("  {}  a drift of {:g} or more: the old running stats did not fit this data".format(
                 LARGE_MARK, LARGE_DRIFT))
-        return "\n".join(rows)
+        return "\n".join(lines)

@@ -1,12 +1,5 @@
-"""The algebra of the standard errors' own spread
-(:meth:`precise_bn.estimator.PopulationStats.tail_spread`, the heavy-tails diagnostic).
-
-Per channel, the 15 count⁴-weighted power sums ``S_ab = sum n_i^4 p_i^a q_i^b`` (``a + b <= 4``)
-of the calls' moments around the layer's centre, and their exact affine maps: moving a group
-onto another centre, or onto the deviations behind each standard error, is a linear map of
-``S`` (:func:`affine`), after which power sums add. Derived in ``docs/precision.md``, section
-"Derivations".
-"""
+"""The power sums ``sum n_i^4 p_i^a q_i^b`` (``a + b <= 4``) of the heavy-tails test and their
+exact affine maps, after which they add (``docs/precision.md``, "Derivations")."""
 from __future__ import annotations
 
 import functools
@@ -15,17 +8,14 @@ from typing import Optional, Tuple
 
 import torch
 
-#: The exponents (a, b) of the power sums ``sum n_i^4 p_i^a q_i^b``, in storage order.
+#: The exponents (a, b), in storage order.
 POWERS = tuple((a, b) for a in range(5) for b in range(5 - a))
-#: The storage row of each exponent pair.
 INDEX = {pair: i for i, pair in enumerate(POWERS)}
 
 
 @functools.lru_cache(maxsize=None)
 def _affine_terms(device: torch.device, target: Optional[int]) -> Tuple[torch.Tensor, ...]:
-    """The expansion of ``sum w (p + alpha q + gamma)^a (q + delta)^b`` over the power sums of
-    ``(p, q)``, for every ``(a, b)`` or only the row ``target``: per term its destination and
-    source rows, its multinomial coefficient, and its powers of ``alpha``, ``gamma``, ``delta``."""
+    """Per term of ``(p + alpha q + gamma)^a (q + delta)^b``: rows, coefficient, powers."""
     rows = []
     for a, b in POWERS if target is None else [POWERS[target]]:
         for i in range(a + 1):
@@ -48,10 +38,8 @@ def _powers(base: torch.Tensor) -> torch.Tensor:
 
 def affine(sums: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, delta: torch.Tensor,
            target: Optional[int] = None) -> torch.Tensor:
-    """The power sums (15, C) of ``p' = p + alpha q + gamma`` and ``q' = q + delta`` from
-    ``sums``, those of ``(p, q)``, or only their row ``target`` (1, C); ``alpha``, ``gamma``,
-    ``delta`` per channel. Exact: an affine map sends each power to a polynomial of the same
-    degree. A handful of operators on (terms, C) tensors, 126 terms for all rows."""
+    """The power sums of ``(p + alpha q + gamma, q + delta)`` from those of ``(p, q)``, all rows or
+    row ``target`` only; exact, as each power maps to a polynomial of the same degree."""
     dst, src, coef, pa, pg, pd = _affine_terms(sums.device, target)
     factors = _powers(alpha)[pa].mul_(_powers(gamma)[pg]).mul_(_powers(delta)[pd]).mul_(coef)
     rows = len(POWERS) if target is None else 1
@@ -59,8 +47,7 @@ def affine(sums: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, delta: 
 
 
 def power_sums(weights: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``sum_i weights_i p_i^a q_i^b`` for every ``(a, b)`` of :data:`POWERS`, over the k rows
-    of ``p`` and ``q`` (k, C): one batched vector-matrix product."""
+    """``sum_i weights_i p_i^a q_i^b`` for every ``(a, b)`` of :data:`POWERS` over k rows (k, C)."""
     p_powers = [torch.ones_like(p), p, p * p]
     p_powers += [p_powers[2] * p, p_powers[2].square()]
     q_powers = [None, q, q * q]
@@ -71,9 +58,8 @@ def power_sums(weights: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch
 
 def spread_of_squares(sums: torch.Tensor, shift: torch.Tensor, var: torch.Tensor,
                       squares: Tuple[torch.Tensor, torch.Tensor], calls: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``r = sqrt(sum e_i^4 / (sum e_i^2)^2 - 1/k)`` for the mean and the variance, per channel,
-    from the power sums, ``shift = mu - c``, the variance ``s2`` and ``squares``,
-    the two ``sum e_i^2``; 0 where a ``sum e_i^2`` is 0."""
+    """``r = sqrt(sum e_i^4 / (sum e_i^2)^2 - 1/k)`` of the mean and the variance (``shift = mu - c``,
+    ``squares`` the two ``sum e_i^2``); 0 where a ``sum e_i^2`` is 0."""
     zero = torch.zeros_like(shift)
     fourth_mean = affine(sums, zero, zero, -shift, INDEX[(0, 4)])[0]
     fourth_var = affine(sums, -2.0 * shift, shift * shift - var, zero, INDEX[(4, 0)])[0]

@@ -1,16 +1,10 @@
 """Whether a model's stored BN statistics fit its data: the rule behind ``precise_bn.check``.
 
-A channel's stored mean (variance) is *off* when it differs from the measured one by more than
-the tolerance and by more than sampling explains: Student's t with ``calls - 1`` degrees of
-freedom on how far the drift lies beyond the tolerance (for the variance, on the log of the
-ratio), the measured standard error counted for both sides (the stored statistics came from a
-sample of similar size). Holm's step-down over every test of the model keeps the chance of
-calling any channel off whose true drift is within the tolerance at ``alpha`` or less, however
-many channels and however they are correlated. A layer is stale when one of its channels is
-off. A model *fits* only when no layer is stale and the data could test every channel it
-varies, each on at least :data:`MIN_CALLS` calls; otherwise, short of a stale layer, the verdict
-is *untested*: too little data (or data whose standard errors cannot be trusted) is no evidence
-that the statistics fit. Derivation and measured false-alarm rates: docs/check.md.
+A channel's stored mean (variance) is *off* when it lies beyond the tolerance by more than
+sampling explains (Student's t, the measured standard error counted for both sides), at a
+family-wise level ``alpha`` over the model (Holm). A layer with a channel off is stale; a model
+*fits* only when none is and every channel it varies was tested on :data:`MIN_CALLS` calls or
+more, else it is *untested*. Derivation and measured rates: docs/check.md.
 """
 from __future__ import annotations
 
@@ -22,25 +16,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import ConfigError
-from .precision import TAIL_LIMIT
-from .report import BNReport, LayerReport, counted
+from .precision import t_tail
+from .report import BNReport, LayerReport, counted, glossary, table
 
-#: Default tolerance: the mean within 5% of the std, the variance within 10% of itself (the
-#: normalised activations off by about 5% in offset and in scale).
+#: Default tolerance: the mean within 5% of the std, the variance within 10% of itself.
 DEFAULT_TOLERANCE = (0.05, 0.1)
 #: Default family-wise false-alarm level over every channel of the model.
 DEFAULT_ALPHA = 0.01
 #: The standard error of a difference between two estimates of similar precision: sqrt(2) times either's.
 PAIRED = math.sqrt(2.0)
-#: Degrees of freedom beyond which the test uses this many: heavier tails than the calls give,
-#: so never a false alarm more, and a bound on the continued fraction's length.
-MAX_DOF = 100000.0
-#: Calls a layer's standard errors must rest on before its channels can be said to fit: at
-#: ``MIN_CALLS - 1`` degrees of freedom a squared standard error of normal data has a relative
-#: spread ``sqrt(2 / dof)`` of TAIL_LIMIT (the precision module's bar for trusting one), and
-#: below it t's far tails, which Holm's thresholds reach, leave a test blind to large drifts
-#: (docs/check.md, "Too little data"). Fewer calls can still show a layer stale, never that it fits.
-MIN_CALLS = 1 + int(2.0 / TAIL_LIMIT ** 2)
+#: Calls a layer must run for a "fits": below 8 degrees of freedom t's far tails, where Holm's
+#: thresholds lie, swallow large drifts (docs/check.md). Fewer can still show a layer stale.
+MIN_CALLS = 9
 STATISTICS = ("mean", "var")
 
 
@@ -68,48 +55,8 @@ def _real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _continued_fraction(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The continued fraction of the incomplete beta function (modified Lentz), for
-    ``x < (a + 1) / (a + b + 2)``, where it converges in about ``sqrt(max(a, b))`` terms."""
-    tiny = 1e-300
-    c = torch.ones_like(x)
-    d = 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
-    h = d.clone()
-    for m in range(1, 10000):
-        for coefficient in (m * (b - m) * x / ((a - 1.0 + 2 * m) * (a + 2 * m)),
-                            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1.0 + 2 * m))):
-            d = 1.0 + coefficient * d
-            d = 1.0 / torch.where(d.abs() < tiny, torch.full_like(d, tiny), d)
-            c = 1.0 + coefficient / c
-            c = torch.where(c.abs() < tiny, torch.full_like(c, tiny), c)
-            step = d * c
-            h = h * step
-        if not bool(((step - 1.0).abs() > 1e-12).any()):
-            break
-    return h
-
-
-def t_tail(t: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
-    """``P(T > t)`` for Student's t with ``dof`` degrees of freedom, float64, accurate to the
-    last digits far into the tail: ``I_x(dof/2, 1/2) / 2`` with ``x = dof / (dof + t^2)``."""
-    t, dof = torch.broadcast_tensors(t.double(), dof.double())
-    square = t * t
-    x = dof / (dof + square)
-    rest = 1.0 / (1.0 + dof / square)  # 1 - x without cancellation, 1 at t = +-inf
-    a, b = dof / 2.0, torch.full_like(dof, 0.5)
-    swap = x > (a + 1.0) / (a + b + 2.0)
-    p, q = torch.where(swap, b, a), torch.where(swap, a, b)
-    u, v = torch.where(swap, rest, x), torch.where(swap, x, rest)
-    log_front = torch.lgamma(p + q) - torch.lgamma(p) - torch.lgamma(q) + p * torch.log(u) + q * torch.log(v)
-    part = torch.exp(log_front) * _continued_fraction(p, q, u) / p
-    half = 0.5 * torch.where(swap, 1.0 - part, part)
-    return torch.where(t >= 0, half, 1.0 - half)
-
-
 def holm(p: torch.Tensor) -> torch.Tensor:
-    """Holm's step-down adjusted p-values of the 1-D ``p``: a test is rejected at level ``alpha``
-    by Holm's procedure exactly when its adjusted p-value is at most ``alpha``."""
+    """Holm's step-down adjusted p-values of the 1-D ``p`` (rejected at ``alpha`` when at most it)."""
     m = p.numel()
     order = torch.argsort(p)
     scaled = (p[order] * torch.arange(m, 0, -1, dtype=p.dtype)).clamp(max=1.0)
@@ -120,9 +67,8 @@ def holm(p: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Worst:
-    """One channel's figures: its stored and measured value of one statistic, the drift (mean
-    in std units, variance relative), the drift's standard error in the same units, the
-    tolerance and the Holm-adjusted p-value of "the true drift is within the tolerance"."""
+    """One channel's figures for one statistic: stored, measured, drift and its standard error
+    (mean in std units, variance relative), tolerance, Holm-adjusted p-value."""
 
     channel: int
     statistic: str
@@ -168,10 +114,8 @@ class LayerFit:
 
     @property
     def untested(self) -> int:
-        """Channels the data could not vouch for: those with a variance on the data when the layer
-        ran fewer than :data:`MIN_CALLS` calls, else those of them not tested on both statistics
-        (standard errors that cannot be trusted, or zero). A channel without variance on the
-        data is not counted: no more of such data can test it. 0 when the layer never ran."""
+        """Channels with a variance on the data that were not tested on both statistics, all of
+        them when the layer ran fewer than :data:`MIN_CALLS` calls; 0 when it never ran."""
         if not self.layer.ran:
             return 0
         assert self.layer.new_var is not None
@@ -195,9 +139,8 @@ class LayerFit:
         return "stale" if self.stale else ("untested" if self.untested else "fits")
 
     def untested_by_reason(self) -> Dict[str, int]:
-        """How many of the :attr:`untested` channels each reason leaves untested: ``"calls"``
-        (fewer than :data:`MIN_CALLS`), a reason of :data:`~precise_bn.precision.FLAGS` or
-        ``"zero"`` (a standard error of 0), reasons without a channel left out."""
+        """:attr:`untested` channels per reason: ``"calls"``, a flag of
+        :data:`~precise_bn.precision.FLAGS`, or ``"zero"`` (a standard error of 0)."""
         if not self.untested:
             return {}
         if self.layer.calls < MIN_CALLS:
@@ -217,8 +160,7 @@ class LayerFit:
 
     @property
     def worst(self) -> Optional[Worst]:
-        """The channel and statistic with the smallest adjusted p-value (among equals, the
-        largest drift in standard errors); None when nothing was tested."""
+        """The channel and statistic of smallest adjusted p-value (then largest drift); None if none."""
         p = torch.stack([self.p[key] for key in STATISTICS])
         if not p.numel() or bool(p.isnan().all()):
             return None
@@ -248,8 +190,7 @@ Tests = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.
 
 
 def _interval_p(estimate: torch.Tensor, low: float, high: float, se: torch.Tensor, dof: torch.Tensor) -> torch.Tensor:
-    """The p-value of "the true value lies in [low, high]" for ``estimate`` of standard error
-    ``se``: at the nearest edge, the chance of landing this far outside on either side."""
+    """The p-value of "the true value lies in [low, high]": beyond either edge, from the nearest."""
     outside = torch.max(estimate - high, low - estimate) / se
     return (t_tail(outside, dof) + t_tail(outside + (high - low) / se, dof)).clamp(max=1.0)
 
@@ -279,7 +220,7 @@ def _tests(layer: LayerReport, rule: Rule) -> Tests:
     mean_tol, var_tol = rule.tolerance
     bounds = {"mean": (-mean_tol, mean_tol), "var": (math.log1p(-var_tol) if var_tol < 1 else -math.inf,
                                                      math.log1p(var_tol))}
-    dof = torch.tensor(min(float(layer.calls - 1), MAX_DOF), dtype=torch.float64)
+    dof = torch.tensor(float(layer.calls - 1), dtype=torch.float64)
     trusted = layer.new_var > 0
     trusted[layer.se_untrusted] = False
     raw = {}
@@ -316,20 +257,17 @@ class CheckReport:
 
     @property
     def verdict(self) -> str:
-        """``"stale"`` when a layer is stale, whatever else went untested (recomputing fixes every
-        channel alike); else ``"untested"`` when some channel could not be tested, which is no
-        verdict rather than a pass; else ``"fits"``."""
+        """``"stale"`` when a layer is stale (recomputing fixes every channel alike), else
+        ``"untested"`` when a channel could not be tested (no verdict), else ``"fits"``."""
         return "stale" if self.stale else ("untested" if self.untested else "fits")
 
     @property
     def fits(self) -> bool:
-        """True only when the verdict is ``"fits"``: every channel the data varies was tested on
-        enough calls and none is off."""
+        """True only when the verdict is ``"fits"``."""
         return self.verdict == "fits"
 
     def batches_needed(self) -> int:
-        """The fewest batches that give every layer with untested channels :data:`MIN_CALLS`
-        calls, at this run's calls per batch; this run's count when it read enough."""
+        """The fewest batches that give every untested layer :data:`MIN_CALLS` calls (at least this run's)."""
         read = self.measured.batches
         return max([read] + [-(-MIN_CALLS * read // fit.layer.calls) for fit in self.layers
                              if fit.untested and fit.layer.calls < MIN_CALLS])
@@ -362,19 +300,14 @@ class CheckReport:
             verdict)
 
     def __str__(self) -> str:
-        width = max([len("layer")] + [len(fit.name) for fit in self.layers])
-        line = "{:<{w}}  {:>8}  {:>10}  {:>8}  {:>10}  {:>8}  {}"
-        rows = [self.summary(), line.format("layer", "channels", "mean drift", "mean p", "var drift", "var p",
-                                            "verdict", w=width)]
+        rows: List[Sequence[str]] = [["layer", "channels", "mean drift", "mean p", "var drift", "var p", "verdict"]]
         for fit in self.layers:
-            channels = "{}/{}".format(fit.tested, fit.layer.old_mean.numel())
-            rows.append(line.format(fit.name, channels, "{:.4g}".format(fit.layer.mean_drift),
-                                    _p_cell(fit.smallest_p("mean")), "{:.4g}".format(fit.layer.var_drift),
-                                    _p_cell(fit.smallest_p("var")), fit.verdict, w=width))
-        titles = [("channels", "channels_tested"), ("mean drift", "mean_drift"), ("var drift", "var_drift"),
-                  ("mean p, var p", "p")]
-        rows += ["  {:<13}  {}".format(title, DEFINITIONS[key]) for title, key in titles]
-        return "\n".join(rows)
+            rows.append([fit.name, "{}/{}".format(fit.tested, fit.layer.old_mean.numel()),
+                         "{:.4g}".format(fit.layer.mean_drift), _p_cell(fit.smallest_p("mean")),
+                         "{:.4g}".format(fit.layer.var_drift), _p_cell(fit.smallest_p("var")), fit.verdict])
+        notes = [("channels", "channels_tested"), ("mean drift", "mean_drift"), ("var drift", "var_drift"),
+                 ("mean p, var p", "p")]
+        return "\n".join([self.summary(), table(rows), glossary([(title, DEFINITIONS[key]) for title, key in notes])])
 
 
 def _p_cell(value: Optional[float]) -> str:
@@ -396,8 +329,7 @@ DEFINITIONS = {
 
 
 def judge(measured: BNReport, rule: Rule) -> CheckReport:
-    """The verdict of ``rule`` on a measurement whose old statistics are the stored ones: every
-    channel's p-values, adjusted by Holm's procedure over all the tests of the model."""
+    """The verdict of ``rule`` on a measurement whose old statistics are the stored ones."""
     tests = [_tests(layer, rule) for layer in measured.layers]
     raw = [p[key] for _, _, p in tests for key in STATISTICS]
     flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64)

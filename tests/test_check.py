@@ -18,7 +18,8 @@ from torch import nn
 import precise_bn
 from precise_bn import BNReport, ConfigError, LayerReport, check, recompute
 from precise_bn.digits import load_digits, make_model, train
-from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, MIN_CALLS, Rule, holm, judge, t_tail
+from precise_bn.precision import t_tail
+from precise_bn.staleness import DEFAULT_ALPHA, DEFAULT_TOLERANCE, MIN_CALLS, Rule, holm, judge
 from reference import float64_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -373,3 +374,28 @@ def test_holm_keeps_false_alarms_at_alpha_over_thousands_of_channels():
 
 def test_the_api_is_exported():
     assert precise_bn.check is check and "check" in precise_bn.__all__ and "CheckReport" in precise_bn.__all__
+
+
+def _cnn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3),
+                         nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 3), nn.BatchNorm2d(32)).eval()
+
+
+def _images(count: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 3, 12, 12, generator=gen) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ten_batches_tell_a_good_checkpoint_from_a_stale_one(seed):
+    """A 3-layer CNN whose statistics were recomputed on 120 batches of 16 fits on 10 fresh
+    batches; the same model with a convolution's weights scaled by 1.3 is stale (issue 44: the
+    chance heavy-tails flags left every such check untested)."""
+    model = _cnn(seed)
+    recompute(model, _images(120, 1000 + seed), progress=False)
+    good = check(model, _images(10, 2000 + seed), progress=False)
+    assert good.verdict == "fits", str(good)
+    with torch.no_grad():
+        model[3].weight.mul_(1.3)
+    assert check(model, _images(10, 3000 + seed), progress=False).verdict == "stale"

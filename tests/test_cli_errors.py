@@ -15,7 +15,7 @@ from factories import OneSampleHead, batches, small_net
 from cli_helpers import TRUST, load, run_cli
 from precise_bn.checkpoint.formats import detect_format
 from precise_bn.cli.failures import one_line
-from precise_bn.cli.tables import table
+from precise_bn.report import table
 from reference import assert_close_exact, float64_reference
 
 FACTORIES = ["--model", "factories:small_net", "--data", "factories:batches"]
@@ -170,7 +170,7 @@ def test_an_error_inside_precise_bn_is_one_line_with_its_place():
     with pytest.raises(IndexError) as raised:
         table([])
     line = one_line(raised.value)
-    assert line.startswith("IndexError: list index out of range (raised at precise_bn/cli/tables.py:")
+    assert line.startswith("IndexError: list index out of range (raised at precise_bn/report.py:")
     assert line.endswith("; --debug shows the traceback")
 
 

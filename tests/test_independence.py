@@ -23,7 +23,7 @@ import calibration  # noqa: E402
 
 CHANNELS = 8
 #: The flags that say what a loader did (heavy tails say what the data are).
-ORDER = ("repeated", "concentrated", "drift", "correlated")
+ORDER = ("identical", "concentrated", "drift", "correlated")
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +80,11 @@ def test_a_repeated_batch_is_flagged_and_rtol_reads_on_saying_why(samples):
     layer = report.layers[0]
     assert float((layer.mean_stderr / layer.new_var.sqrt()).max()) < 1e-9  # what the spread says
     assert report.stop == "data" and report.batches == 200
-    assert layer.se_reasons == {"repeated": list(range(CHANNELS))} and layer.se_untrusted == list(range(CHANNELS))
-    assert "rtol=0.01 not reached after 200 batches" in said and "the same batch read again and again" in said
+    assert layer.se_reasons == {"identical": list(range(CHANNELS))} and layer.se_untrusted == list(range(CHANNELS))
+    assert "rtol=0.01 not reached after 200 batches" in said and "one batch read again and again" in said
     summary = report.summary()
     assert "stopped: the data ran out;" in summary and summary.endswith(
-        "; standard errors not trusted in 8 channels of 1 layer (the same batch repeated: 8), so rtol=0.01 could not "
+        "; standard errors not trusted in 8 channels of 1 layer (identical batch statistics: 8), so rtol=0.01 could not "
         "stop the pass"), summary
     stats = _merged(*_calls(stream[:40]))
     spread = _call_spread(stats)
@@ -217,7 +217,7 @@ def test_batches_that_spread_little_by_construction_are_not_taken_for_a_repeated
     total, squares = sum(counts), sum(n * n for n in counts)  # what independent elements would spread
     independent = stats.m2 / total * (total - squares / total)
     assert float((_call_spread(stats)[0] ** 2 * squares / independent).max()) < 1e-5
-    assert "repeated" not in report.layers[0].se_reasons and "cannot be trusted" not in " ".join(
+    assert "identical" not in report.layers[0].se_reasons and "cannot be trusted" not in " ".join(
         str(w.message) for w in caught)
     chained = nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4))
     batches = [torch.randn(8, 4, 5, 5, generator=gen) * 100 + 3 for _ in range(64)]

@@ -10,6 +10,8 @@ heavy-tailed study at full size.
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import re
 import sys
 import warnings
@@ -19,8 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from precise_bn import PopulationStats, PreciseBNWarning, recompute
+from precise_bn import PopulationStats, PreciseBNWarning, precision, recompute
 from precise_bn.driver import CHECK_EVERY
+from precise_bn.estimator import combine_calls
 from precise_bn.precision import RTOL_CONDITIONS, rtol_ratios, t975
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -207,3 +210,88 @@ def test_calibrated_on_the_demo_cnn_and_its_digits():
         cover = float(((torch.cat(diffs) / torch.cat(stderrs)).abs() <= 2).double().mean())
         assert 0.90 <= cover <= 0.99, (key, cover)
 
+
+
+def _layer_of_calls(means: torch.Tensor, variances: torch.Tensor, count: int) -> PopulationStats:
+    stats = PopulationStats(means.shape[1])
+    means, variances = means.clone(), variances.clone()
+    stats.add(combine_calls(means, variances, [count] * len(means), stats.center_for(means[0])))
+    return stats
+
+
+@pytest.mark.parametrize("k", [6, 8, 10, 12, 16, 24, 32, 48])
+@pytest.mark.parametrize("elements, width", [(64, 8), (16, 1)])
+def test_every_flag_fires_by_chance_on_about_one_percent_of_layers_of_normal_calls(k, elements, width):
+    """400 layers of 8 channels, each call 64 independent normal elements, and 400 of one channel
+    of 16 (whose per-call variances are far from normal): at every k, the flags
+    together fire on at most about 1% of layers (the stated level; 10 of 400 allows for chance),
+    so on far fewer channels. The heavy-tails flag of 0.5 flagged 47% of channels at k = 6, 32%
+    at 8 (issue 44)."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(k, elements, 400 * width, generator=gen, dtype=torch.float64)
+    means, variances = x.mean(1), x.var(1, unbiased=False)
+    layers = channels = 0
+    for start in range(0, 400 * width, width):
+        found = precision.flags(_layer_of_calls(means[:, start:start + width], variances[:, start:start + width],
+                                                elements))
+        layers += bool(found)
+        channels += sum(len(c) for c in found.values())
+    assert layers <= 10 and channels <= 0.01 * 400 * width, (layers, channels)
+
+
+@pytest.mark.parametrize("channels", [1, 8, 64])
+def test_one_call_unlike_the_others_is_flagged_from_the_calls_the_tails_test_runs_at(channels):
+    """A call whose means lie 1,000 standard errors off among normal calls: heavy tails from
+    ``runs_from("tails", channels)`` calls on, and the tails test not run (nor flagging) below."""
+    first = precision.runs_from("tails", channels)
+    for k in (first - 1, first, first + 8):
+        gen = torch.Generator().manual_seed(k)
+        means = torch.randn(k, channels, generator=gen, dtype=torch.float64) / 8.0
+        means[k // 2] += 1000.0 / 8.0
+        stats = _layer_of_calls(means, torch.ones(k, channels, dtype=torch.float64), 64)
+        found = precision.flags(stats)
+        assert found == ({} if k < first else {"tails": list(range(channels))}), (k, found)
+        assert ("tails" in precision.not_run(k, channels)) == (k < first)
+
+
+def test_the_report_says_which_flags_did_not_run_on_so_few_calls():
+    """Ten batches: drift and consecutive batches alike cannot fire before 27 and 20 calls, so the
+    report names them as not run instead of flagging; from 27 calls every flag runs."""
+    short = recompute(nn.BatchNorm1d(8), itertools.islice(calibration.normal_stream(0, channels=8), 10),
+                      progress=False)
+    assert short.layers[0].se_not_run == ["drift", "correlated"] == short.to_dict()["layers"][0]["se_not_run"]
+    assert short.summary().endswith("; not tested on so few calls: drift along the data (from 27 calls), "
+                                    "consecutive batches alike (from 20 calls)"), short.summary()
+    full = recompute(nn.BatchNorm1d(8), itertools.islice(calibration.normal_stream(0, channels=8), 27),
+                     progress=False)
+    assert full.layers[0].se_not_run == [] and "not tested" not in full.summary()
+    assert precision.runs_from("drift") == 27 and precision.runs_from("correlated") == 20
+
+
+def test_a_drift_is_flagged_from_the_calls_runs_from_names():
+    """Means rising in a straight line: the trend's z-score is sqrt(k - 1), 5 at k = 26 (not
+    beyond the bar of 5) and 5.1 at 27, where the drift flag starts to run."""
+    for k in (26, 27):
+        means = torch.arange(k, dtype=torch.float64).unsqueeze(1) * 0.01
+        found = precision.flags(_layer_of_calls(means, torch.ones(k, 1, dtype=torch.float64), 64))
+        assert ("drift" in found) == (k >= precision.runs_from("drift")), (k, found)
+
+
+@pytest.mark.parametrize("k", [8, 12, 16, 32, 64])
+def test_the_kurtosis_null_holds_its_level_on_normal_draws(k):
+    """The tails test's null, Anscombe and Glynn's score of the kurtosis of k normal draws: on
+    40,000 sets of k draws, the share beyond the 0.5% level is 0.5% (0.3% at k = 8, where the
+    score errs the safe way), within sampling noise."""
+    x = torch.randn(40_000, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    e = x - x.mean(1, keepdim=True)
+    b2 = k * e.pow(4).sum(1) / e.square().sum(1).square()
+    rate = float((precision._kurtosis_p(b2, k) < 0.005).double().mean())
+    assert 0.002 <= rate <= 0.0075, rate
+
+
+def test_t975_is_the_quantile_of_t_tail():
+    """One Student's t: closed forms at 1 and 2 degrees of freedom, tabulated values beyond."""
+    expected = {1: math.tan(math.pi * 0.475), 2: 4.302652729911275, 10: 2.2281388519649385,
+                30: 2.0422724563012373, 100000: 1.9599877}
+    for dof, value in expected.items():
+        assert precision.t975(dof) == pytest.approx(value, rel=1e-6), dof

@@ -1,12 +1,9 @@
 """``precise-bn check``: do a checkpoint's BN statistics fit the data? Exit 0 if so, 1 if not,
-2 if the data could not tell (channels untested: too few batches, or standard errors that cannot
-be trusted), as a usage error does: in both cases the command gave no verdict.
+2 if the data could not tell (channels untested), as a usage error does: no verdict either way.
 
-The checkpoint is read, matched to its model and measured exactly as ``recompute`` does (the
-same code, :func:`~precise_bn.cli.job.open_job`), but nothing is written except the optional
-JSON report. A stale layer is named with its worst channel's figures, followed by the
-``recompute`` command, with the same model, data and reading flags, that fixes it; untested
-channels are counted per layer in one line that says what data would test them.
+Measured exactly as ``recompute`` measures (:func:`~precise_bn.cli.job.open_job`), writing
+nothing but the optional JSON report; a stale layer is named with its worst channel and the
+``recompute`` command that fixes it, untested channels with the data that would test them.
 """
 from __future__ import annotations
 
@@ -81,9 +78,7 @@ def fix_command(args: argparse.Namespace) -> str:
 
 
 def untested_line(report: CheckReport) -> str:
-    """How many channels of which layers could not be tested, and what data would test them: the
-    batches that give each layer :data:`~precise_bn.staleness.MIN_CALLS` calls, or, for standard
-    errors that cannot be used, more batches, independent and shuffled."""
+    """The untested channels per layer, and what data would test them."""
     reasons: Dict[str, int] = {}
     for fit in report.layers:
         for reason, count in fit.untested_by_reason().items():

@@ -15,9 +15,8 @@ from ..checkpoint.provenance import provenance_of
 from ..checkpoint.serializers import write_file
 from ..checkpoint.state import Checkpoint, bn_layers, prefix_counts, wrapper_prefix
 from ..errors import BackendUnavailableError, ConfigError
-from ..report import LayerReport, counted, legend
+from ..report import LayerReport, counted, legend, table
 from .specs import load_object
-from .tables import table
 
 
 def rules_of(args: argparse.Namespace) -> Any:
