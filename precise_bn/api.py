@@ -18,7 +18,7 @@ from torch import nn
 from . import driver
 from .data import DEFAULT_ITERS, move_to_device, whole_batch_forward
 from .options import (DEFAULT_LOG_PERIOD, DEFAULT_MIN_BATCHES, DEFAULT_TIMEOUT, OPTION_FIELDS, ForwardFn, LayerSpec,
-                      Options, as_device, check_names)
+                      Options, as_device, drop_retired)
 from .pytorch.bn_pass import BNPass
 from .report import BNReport
 from .signals import all_or_nothing
@@ -35,7 +35,6 @@ def recompute(
     forward_fn: Optional[ForwardFn] = None,
     device: Union[None, str, torch.device] = None,
     layers: LayerSpec = None,
-    exact: bool = False,
     autocast: Union[None, bool, torch.dtype] = None,
     sync: Optional[bool] = None,
     group: Any = None,
@@ -46,6 +45,7 @@ def recompute(
     timeout: Union[None, float, datetime.timedelta] = DEFAULT_TIMEOUT,
     log_period: Optional[int] = DEFAULT_LOG_PERIOD,
     prior: float = 0.0,
+    exact: Optional[bool] = None,
 ) -> BNReport:
     """Recompute the BN layers' running stats as the population statistics of their inputs.
 
@@ -70,7 +70,6 @@ def recompute(
         device: move every tensor nested in a batch there first.
         layers: None (BN layers in training mode; all of them if the whole model is in eval
             mode), ``"all"``, or a list of modules or qualified names.
-        exact: no effect, kept so that existing calls work: every call is measured in float64.
         autocast: run the forward under ``torch.autocast`` (True, or a dtype); BN stays float32.
         sync: merge across ranks (default: whenever a process group spans several processes).
         group: the process group to merge over.
@@ -88,6 +87,8 @@ def recompute(
         A :class:`~precise_bn.BNReport`: per layer, elements and calls seen, old and new stats,
         drift and standard errors; why the pass stopped and what it read.
     """
+    if exact is not None:
+        drop_retired("recompute", {"exact": exact})
     given = locals()
     opts = Options(**{name: given[name] for name in OPTION_FIELDS})
     return driver.recalibrate(BNPass(model, opts), data, opts)
@@ -168,8 +169,7 @@ def check(
     if "prior" in options:
         raise TypeError("check() takes no prior: it compares the stored statistics with the data's own "
                         "(prior pools them in what recompute writes)")
-    check_names("check", options, list(OPTION_FIELDS), ("tolerance", "alpha"))
-    opts = Options(**options)
+    opts = Options.build("check", also_known=("tolerance", "alpha"), **options)
     return judge(driver.recalibrate(BNPass(model, opts), data, opts, write=False), rule)
 
 

@@ -81,7 +81,7 @@ class BatchNormHelper(CachedRecomputations):
     original tool's global ``core.config.config`` when its training script loaded it) and are
     overridden by keyword arguments: ``iters``, ``bn_epsilon``, ``num_gpus``, ``root_gpu_id``,
     ``log_period``, ``device_prefix``. Every other keyword argument is an option of
-    :func:`precise_bn.recompute` (``exact``, ``rtol``, ``sync``, ``device``...), checked now.
+    :func:`precise_bn.recompute` (``rtol``, ``sync``, ``device``...), checked now.
     ``backend=None`` picks the backend from the model given to :meth:`create_bn_aux_model`:
     torch for an ``nn.Module``, caffe2 for anything else (a Caffe2 net, or no model at all).
     On the torch backend ``bn_epsilon``, ``num_gpus`` and ``root_gpu_id`` are carried by the

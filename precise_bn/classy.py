@@ -62,7 +62,7 @@ class PreciseBatchNormHook(ClassyHook):
         cache_samples: keep the inputs of the phase's first ``num_samples`` training samples on
             the CPU and measure on them, instead of building a new training dataloader at
             the end of the phase (more memory, no second pass over the dataset).
-        **options: options of :func:`precise_bn.recompute` (``exact``, ``autocast``, ``rtol``...),
+        **options: options of :func:`precise_bn.recompute` (``autocast``, ``rtol``...),
             checked now.
     """
 

@@ -28,7 +28,7 @@ ACTIVE, DONE, FAILED = 0, 1, 2
 #: The rounds' tags, in the order a call plays them; ``abort`` answers any round.
 ROUNDS = ("start", "pass", "end", "abort")
 #: The options every rank of a call must share: they shape the result or the rounds.
-AGREED_OPTIONS = ("num_batches", "num_samples", "rtol", "min_batches", "unbiased", "exact", "prior", "sync",
+AGREED_OPTIONS = ("num_batches", "num_samples", "rtol", "min_batches", "unbiased", "prior", "sync",
                   "autocast")
 #: The round after differing digests: this many fingerprint fields at most, each in this many
 #: bytes (an 8-byte digest of the whole field, then its text, cut if longer).

@@ -53,7 +53,7 @@ class PreciseBNHook(CachedRecomputations):
             summary, or that cached stats were written back; a warning when it turns itself
             off); None: nowhere.
         **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
-            ``forward_fn``, ``layers``, ``device``, ``exact``...), checked now: a misspelt one
+            ``forward_fn``, ``layers``, ``device``...), checked now: a misspelt one
             raises ``TypeError`` here, not at the first recomputation, and named ``layers``
             must be BN layers of ``model``. With an initialised
             process group the stats are merged across ranks: every rank must call the hook at

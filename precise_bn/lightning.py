@@ -70,7 +70,7 @@ class PreciseBNCallback(pl.Callback):
         attribute: the submodule of the LightningModule to recompute, e.g. ``"model"`` or
             ``"backbone.encoder"``; default: the LightningModule itself.
         **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
-            ``forward_fn``, ``layers``, ``exact``...), checked now; ``attribute`` and named
+            ``forward_fn``, ``layers``...), checked now; ``attribute`` and named
             ``layers`` are checked against the module at ``setup``, before training starts.
             ``forward_fn(target, batch)`` runs in the trainer's precision context (autocast
             for mixed precision); by default ``(input, target)`` batches give

@@ -49,8 +49,7 @@ class Caffe2AuxModel:
             ``bn_epsilon``). Each layer reports the epsilon its op normalises with (its
             ``epsilon`` argument, else Caffe2's 1e-5); a ``bn_epsilon`` that differs from it is
             logged as a warning, since the config then disagrees with the net.
-        opts: the pass's options (``num_batches`` is the helper's ``iters``; ``exact`` changes
-            nothing: every call is measured in float64).
+        opts: the pass's options (``num_batches`` is the helper's ``iters``).
     """
 
     def __init__(self, model: Any, data: Optional[Iterable[Feeds]], settings: Dict[str, Any], opts: Options):
