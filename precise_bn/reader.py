@@ -118,5 +118,17 @@ class PrivateReader:
 
 
 def read_privately(data: Iterable[Any]) -> Iterable[Any]:
-    """A DataLoader read through a :class:`PrivateReader`; anything else as it is."""
-    return PrivateReader(lambda: data) if isinstance(data, DataLoader) else data
+    """A DataLoader read through a :class:`PrivateReader`; a wrapper holding one as ``loader``
+    (timm's ``PrefetchLoader``: it normalises, moves, erases) as a shallow copy that reads it so;
+    anything else as it is. Reading the training loader itself would, with persistent workers,
+    restart the epoch training is in the middle of."""
+    if isinstance(data, DataLoader):
+        return PrivateReader(lambda: data)
+    if isinstance(getattr(data, "loader", None), DataLoader):
+        own = copy.copy(data)
+        try:
+            own.loader = PrivateReader(lambda: data.loader)  # type: ignore[attr-defined]
+        except AttributeError:  # a read-only property: nothing to redirect
+            return data
+        return own
+    return data
