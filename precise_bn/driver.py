@@ -57,15 +57,10 @@ class Backend(Protocol):
     def choose(self) -> None:
         """Choose the layers (``names``, ``eps``, ``dtypes`` are known afterwards)."""
 
-    def old_stats(self) -> List[Stats]:
-        """Each layer's running mean and variance before the pass, float64 on the CPU, in
-        tensors of their own (after :meth:`attach`)."""
-
-    def plan(self, batches: Optional[int]) -> None:
-        """The number of batches the pass expects to read (None: unknown), before the first."""
-
-    def attach(self) -> None:
-        """Prepare the model for measuring (undone by :meth:`restore`)."""
+    def prepare(self, batches: Optional[int]) -> List[Stats]:
+        """Ready the model for about ``batches`` batches (None: unknown), undone by
+        :meth:`restore`; return each layer's running mean and variance from before the pass,
+        float64 on the CPU, in tensors of their own."""
 
     def restore(self) -> None:
         """Put the model back exactly as before the call (idempotent; rewinds a write too)."""
@@ -319,10 +314,8 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
     logger.info("%s: measuring %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.kind)
     planned = planned_batches(data, opts.num_batches)
-    backend.plan(planned)
     warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
-    backend.attach()
-    old = backend.old_stats()
+    old = backend.prepare(planned)
     outcome = run_pass(backend, iter(data), opts, ranks, planned)
     if outcome.batches == 0:
         raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(

@@ -169,14 +169,13 @@ class _Caffe2Pass:
         """Every SpatialBN layer of the net: keep their running stats as they are now."""
         self._snapshot = self.aux.snapshot()
 
-    def old_stats(self) -> List[Stats]:
+    def prepare(self, batches: Optional[int]) -> List[Stats]:
+        """The running stats kept by :meth:`choose`: nothing else to prepare (the aux net's
+        inputs are read after each run, and nothing is compiled)."""
         assert self._snapshot is not None
         first = {b.layer: (rm, riv) for b, rm, riv in self._snapshot if b.device == self.aux.devices[0]}
         return [(torch.from_numpy(first[name][0].astype(np.float64)).reshape(-1),
                  torch.from_numpy(first[name][1].astype(np.float64)).reshape(-1)) for name in self.names]
-
-    def attach(self) -> None:
-        """Nothing to attach: the aux net's inputs are read after each run."""
 
     def restore(self) -> None:
         """Every device's running stats as before the pass (train-mode SpatialBN updates them)."""
@@ -185,9 +184,6 @@ class _Caffe2Pass:
 
     def running(self) -> Any:
         return contextlib.nullcontext()
-
-    def plan(self, batches: Optional[int]) -> None:
-        """Nothing to prepare: the Caffe2 backend compiles nothing."""
 
     def step(self, feeds: Optional[Feeds]) -> int:
         """Feed and run the net, then measure every device's input of every layer in float64
