@@ -27,8 +27,8 @@ def test_recompute_takes_exactly_the_options_with_their_defaults():
     assert [p.name for p in params] == list(OPTION_FIELDS) + list(RETIRED)
     for p in params:
         assert p.default == (OPTION_FIELDS[p.name].default if p.name in OPTION_FIELDS else None), p.name
-    doc = recompute.__doc__ or ""
-    assert all("{}:".format(name) in doc for name in OPTION_FIELDS), "recompute's docstring misses an option"
+    doc = recompute.__doc__ or ""  # its options' lines are generated from their meanings: help() shows them
+    assert all("{}: {}".format(name, option_help(name)) in doc for name in OPTION_FIELDS)
 
 
 def test_every_option_has_a_meaning_and_the_readme_table_is_generated_from_them():
