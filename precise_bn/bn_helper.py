@@ -11,7 +11,7 @@ from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing
 from .step_cache import CachedRecomputations, StepCache
-from .torch_job import TorchJob
+from .torch_job import TorchRecalibrator
 
 # The original tool's config keys and the settings they map to.
 CONFIG_KEYS = {
@@ -108,7 +108,7 @@ class BatchNormHelper(CachedRecomputations):
                 raise ConfigError("the torch backend needs an nn.Module, got {}".format(type(model).__name__))
             if data is None:
                 raise ConfigError("the torch backend needs data: an iterable of batches")
-            self.aux = TorchJob(model, data, options)
+            self.aux = TorchRecalibrator(model, data, options)
             self.aux.layer_names()
         else:
             from .caffe2.backend import Caffe2AuxModel

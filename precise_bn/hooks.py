@@ -16,7 +16,7 @@ from .pytorch.layers import no_layer_message, unwrap_model
 from .report import BNReport
 from .signals import all_or_nothing, write
 from .step_cache import CachedRecomputations, StepCache
-from .torch_job import TorchJob, TorchCache
+from .torch_job import TorchRecalibrator, TorchCache
 
 LOGGER = logging.getLogger("precise_bn")
 
@@ -51,7 +51,7 @@ class PreciseBNHook(CachedRecomputations):
         self.model = model
         self.eval_period = eval_period
         self.checkpoint_period = checkpoint_period
-        self.job = TorchJob(model, data, opts, extra_models, forward_context)
+        self.job = TorchRecalibrator(model, data, opts, extra_models, forward_context)
         self.cache: StepCache[TorchCache] = StepCache()
         self.enabled = True
         self.logger = logger

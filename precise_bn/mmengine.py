@@ -1,5 +1,5 @@
-"""``ExactPreciseBNHook`` for OpenMMLab runners (``custom_hooks = [dict(type="ExactPreciseBNHook", ...)]``,
-registered on import): mmpretrain's ``PreciseBNHook`` arguments, exact (docs/integrations.md)."""
+"""``ExactPreciseBNHook`` for OpenMMLab runners, registered on import
+(``custom_hooks = [dict(type="ExactPreciseBNHook", ...)]``): mmpretrain's arguments, exact."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional

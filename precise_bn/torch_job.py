@@ -32,7 +32,7 @@ def recalibrate_untouched(model: nn.Module, data: Iterable[Any], opts: Options,
         kept.restore()
 
 
-class TorchJob:
+class TorchRecalibrator:
     """``model`` and ``extra_models`` (EMA, SWA copies: their layers in training mode, or all of
     them in eval mode) recalibrated in one pass, each batch through each model in turn, names
     prefixed ``model.`` / ``extra_<i>.``; ``forward_context`` wraps each forward."""
