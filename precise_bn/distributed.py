@@ -166,8 +166,8 @@ class Header(NamedTuple):
     seq: int = 0
 
 
-class Part(NamedTuple):
-    """This rank's slice of the channels, merged over every rank (see :meth:`Ranks.merge_part`)."""
+class MergedSlice(NamedTuple):
+    """This rank's slice of the channels merged over every rank, with what assembling needs."""
 
     stats: List[PopulationStats]
     segments: List[slices.Segment]
@@ -258,12 +258,12 @@ class Ranks:
             "ranks disagree on {}; every rank must make the same call: the same options on the same BatchNorm "
             "layers, with the same precise-bn version".format("; ".join(differ)))
 
-    def merge_part(self, stats: Sequence[PopulationStats]) -> Part:
+    def merge_part(self, stats: Sequence[PopulationStats]) -> MergedSlice:
         """This rank's slice of the channels, merged over every rank in rank order."""
         names = [s.name for s in stats]
         plan = slices.plan([s.num_channels for s in stats], self.world)
         if self.world == 1:
-            return Part(list(stats), plan[0], plan, 0, list(stats))
+            return MergedSlice(list(stats), plan[0], plan, 0, list(stats))
         size = slices.chunk_size(plan)
         states = [s.state().cpu() for s in stats]
         send = torch.cat([slices.pack(states, segments, size) for segments in plan]).to(self.device)
@@ -271,9 +271,9 @@ class Ranks:
         chunks = self._run(lambda g: _dist().all_to_all_single(out, send, group=g, async_op=True), out,
                            "merge of statistics").view(self.world, size)
         segments = plan[self.rank]
-        return Part(slices.merge_in_rank_order(list(chunks), segments, names), segments, plan, size, list(stats))
+        return MergedSlice(slices.merge_in_rank_order(list(chunks), segments, names), segments, plan, size, list(stats))
 
-    def worst(self, part: Part, score: Callable[[PopulationStats], float]) -> List[float]:
+    def worst(self, part: MergedSlice, score: Callable[[PopulationStats], float]) -> List[float]:
         """Per layer, the largest ``score`` of any rank's piece (``-inf`` if none): the same on every rank."""
         values = torch.full((len(part.local),), -math.inf, dtype=torch.float64)
         for seg, piece in zip(part.segments, part.stats):
@@ -284,7 +284,7 @@ class Ranks:
                                values, "exchange of the precision check")
         return values.tolist()
 
-    def assemble(self, part: Part) -> List[PopulationStats]:
+    def assemble(self, part: MergedSlice) -> List[PopulationStats]:
         """Every layer merged over every rank: the same bits everywhere, as one process merging them."""
         if self.world == 1:
             return part.local
