@@ -1,8 +1,4 @@
-"""``python -m precise_bn`` and the ``precise-bn`` command.
-
-This module imports nothing heavy itself, so that Ctrl-C while torch is still being imported
-(seconds) ends the command as it does later: one line, exit status 130.
-"""
+"""``python -m precise_bn`` and ``precise-bn``: Ctrl-C while torch is imported ends it as later."""
 from __future__ import annotations
 
 import sys

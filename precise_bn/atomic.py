@@ -1,13 +1,5 @@
-"""Atomic file replacement: a crash mid-write leaves the old file, never a torn one.
-
-The new content goes to a temporary file next to the target, renamed over it. A symbolic link
-stays a link (Lightning's ``last.ckpt``: its target is replaced); the replaced file keeps its
-mode and owner (root gives a user's file back with ``chown``); the temporary file is removed
-on every failure, a SIGTERM or SIGHUP inside :func:`atomic_write` included (raised as
-:class:`~precise_bn.signals.Terminated`); and it is named ``.NAME.precise-bn-XXXXXXXX.tmp``, so
-that :func:`stale_temporaries` finds what ``kill -9`` left. The rules: ``docs/cli.md``
-("Outputs").
-"""
+"""Atomic file replacement: a crash mid-write leaves the old file, never a torn one; a temporary
+file next to the target, renamed over it, removed on any failure (rules: docs/cli.md, "Outputs")."""
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +34,7 @@ def _temp_prefix(path: str) -> str:
 
 
 def stale_temporaries(path: PathLike) -> List[str]:
-    """Temporary files of ours for ``path`` that are still there: left by a write that was
-    killed outright (or one still running in another process)."""
+    """Temporary files of ours for ``path`` still there (a write killed outright, or still running)."""
     path = os.path.realpath(os.fspath(path))
     folder, prefix = os.path.dirname(path), _temp_prefix(path)
     try:
@@ -55,8 +46,7 @@ def stale_temporaries(path: PathLike) -> List[str]:
 
 
 def probe(path: PathLike) -> None:
-    """Create and remove the temporary file :func:`atomic_write` would use for ``path``; raises
-    the ``OSError`` a write would meet (read-only folder or file system, name too long, ...)."""
+    """Create and remove the temporary file :func:`atomic_write` would use: a write's ``OSError`` now."""
     path = os.path.realpath(os.fspath(path))
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=SUFFIX, dir=os.path.dirname(path))
     os.close(fd)
@@ -64,8 +54,7 @@ def probe(path: PathLike) -> None:
 
 
 def _keep_mode_and_owner(path: str, tmp: str) -> None:
-    """Give ``tmp`` the permissions and owner of the file it replaces, or for a new file the
-    permissions ``open()`` would give (``mkstemp`` creates its file private, 0600)."""
+    """``tmp`` gets the replaced file's mode and owner, or ``open()``'s mode (``mkstemp``'s is 0600)."""
     try:
         old = os.stat(path)
     except FileNotFoundError:
@@ -85,13 +74,8 @@ def _keep_mode_and_owner(path: str, tmp: str) -> None:
 
 
 def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through ``write(fileobj)`` into a temporary file in the same folder,
-    fsync it, then rename it over ``path`` (atomic on POSIX) and fsync the folder.
-
-    A symbolic link is written through (its target is replaced, the link stays); the replaced
-    file's mode and owner are kept. The temporary file is removed if anything is raised, a
-    SIGTERM included (see the module docstring).
-    """
+    """Write ``path`` through ``write(fileobj)``: a temporary file in its folder, fsynced, renamed
+    over it, the folder fsynced. A symbolic link's target is replaced; mode and owner kept."""
     path = os.path.realpath(os.fspath(path))
     folder = os.path.dirname(path)
     with relayed(terminate=True):

@@ -1,15 +1,5 @@
-"""``BatchNormHelper``: the original Caffe2 tool's lifecycle, on either backend.
-
-    helper = BatchNormHelper(cfg)                 # or BatchNormHelper(iters=200, ...)
-    helper.create_bn_aux_model(model, data)       # once
-    helper.compute_and_update_bn_stats(curr_iter) # before each test and each checkpoint
-
-A second call at the same iteration writes back the cached stats without a forward
-(:mod:`precise_bn.step_cache`). Users of video-nonlocal-net's helper change only the import line
-(``from precise_bn import bn_helper``): the original's global config and model builder are
-found where the training script loaded them (:mod:`precise_bn.caffe2.original`), or the call
-fails at once with the line that replaces it. See ``docs/caffe2.md``.
-"""
+"""``BatchNormHelper``: video-nonlocal-net's helper lifecycle (``create_bn_aux_model`` once, then
+``compute_and_update_bn_stats(curr_iter)``) on either backend; only the import changes (docs/caffe2.md)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -21,7 +11,7 @@ from .options import Options, own_arguments, positive_int
 from .report import BNReport
 from .signals import all_or_nothing
 from .step_cache import CachedRecomputations, StepCache
-from .torch_job import TorchJob
+from .torch_job import TorchRecalibrator
 
 # The original tool's config keys and the settings they map to.
 CONFIG_KEYS = {
@@ -75,18 +65,9 @@ def _settings(cfg: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class BatchNormHelper(CachedRecomputations):
-    """Recompute precise BN stats periodically, on the ``"torch"`` or ``"caffe2"`` backend.
-
-    Settings come from ``cfg`` (the original keys, see :data:`CONFIG_KEYS`; without ``cfg``, the
-    original tool's global ``core.config.config`` when its training script loaded it) and are
-    overridden by keyword arguments: ``iters``, ``bn_epsilon``, ``num_gpus``, ``root_gpu_id``,
-    ``log_period``, ``device_prefix``. Every other keyword argument is an option of
-    :func:`precise_bn.recompute` (``exact``, ``rtol``, ``sync``, ``device``...), checked now.
-    ``backend=None`` picks the backend from the model given to :meth:`create_bn_aux_model`:
-    torch for an ``nn.Module``, caffe2 for anything else (a Caffe2 net, or no model at all).
-    On the torch backend ``bn_epsilon``, ``num_gpus`` and ``root_gpu_id`` are carried by the
-    modules themselves and only matter to the Caffe2 backend.
-    """
+    """Settings from ``cfg`` (the original keys, :data:`CONFIG_KEYS`; else the original's global
+    config when loaded), overridden by keywords named as :data:`DEFAULTS`; any other keyword is
+    an option, checked now. ``backend=None``: torch for an ``nn.Module``, else caffe2."""
 
     def __init__(self, cfg: Any = None, *, backend: Optional[str] = None, **kwargs: Any):
         if backend is not None and backend not in BACKENDS:
@@ -111,14 +92,8 @@ class BatchNormHelper(CachedRecomputations):
 
     def create_bn_aux_model(self, model: Any = None, data: Any = None, *, node_id: Optional[int] = None,
                             **kwargs: Any) -> Any:
-        """Prepare the forward-only aux pass over ``model`` and return the aux object.
-
-        torch: ``model`` is the ``nn.Module`` (its BN layers are checked now), ``data`` an
-        iterable of batches (re-iterated when it runs out); ``kwargs`` are more options of
-        :func:`precise_bn.recompute`. caffe2: see :class:`precise_bn.caffe2.backend.Caffe2AuxModel`.
-        No ``model`` (the original's ``create_bn_aux_model(node_id=...)``): the aux net is built
-        as the original builds it (:func:`precise_bn.caffe2.original.build_original_aux_model`).
-        """
+        """Prepare the forward-only aux pass over ``model`` (none: built as the original does) on
+        ``data`` (re-iterated when it runs out); ``kwargs`` are more options. Returns the aux object."""
         if model is None and self.backend != "torch":
             from .caffe2.original import build_original_aux_model
 
@@ -133,7 +108,7 @@ class BatchNormHelper(CachedRecomputations):
                 raise ConfigError("the torch backend needs an nn.Module, got {}".format(type(model).__name__))
             if data is None:
                 raise ConfigError("the torch backend needs data: an iterable of batches")
-            self.aux = TorchJob(model, data, options)
+            self.aux = TorchRecalibrator(model, data, options)
             self.aux.layer_names()
         else:
             from .caffe2.backend import Caffe2AuxModel

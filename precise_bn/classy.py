@@ -1,15 +1,5 @@
-"""``PreciseBatchNormHook``: a drop-in for ClassyVision's hook of the same name.
-
-    from precise_bn.classy import PreciseBatchNormHook
-    task.set_hooks([PreciseBatchNormHook(num_samples=4096), CheckpointHook(...)])
-
-or, in a task config, ``{"name": "exact_precise_bn", "num_samples": 4096}``. Same arguments and
-schedule as ClassyVision's (the end of every training phase, ``num_samples`` per replica), but
-the population statistics of all samples seen, merged exactly across replicas, where
-ClassyVision averages per-batch statistics; the phase's data read through a loader of its own
-(:mod:`precise_bn.reader`) and every random generator put back. The differences, one by one:
-``docs/dropins.md``.
-"""
+"""``PreciseBatchNormHook``: a drop-in for ClassyVision's hook of the same name (task config
+``{"name": "exact_precise_bn", ...}``), with exact population statistics (docs/dropins.md)."""
 from __future__ import annotations
 
 import logging
@@ -53,18 +43,9 @@ def _inputs(samples: Iterable[Dict[str, Any]]) -> Iterator[Any]:
 # ClassyVision's own hook has the same class name; its registry then needs bypass_checks.
 @register_hook(REGISTRY_NAME, bypass_checks=True)
 class PreciseBatchNormHook(ClassyHook):
-    """Recompute the base model's BN stats at the end of each training phase.
-
-    Args:
-        num_samples: samples per replica to measure on, a positive number (the batch that
-            crosses it is used whole). A phase or a dataset shorter than that gives fewer, with
-            a warning.
-        cache_samples: keep the inputs of the phase's first ``num_samples`` training samples on
-            the CPU and measure on them, instead of building a new training dataloader at
-            the end of the phase (more memory, no second pass over the dataset).
-        **options: options of :func:`precise_bn.recompute` (``exact``, ``autocast``, ``rtol``...),
-            checked now.
-    """
+    """Recompute the base model's BN stats at the end of each training phase on ``num_samples``
+    per replica (the last batch whole); ``cache_samples`` keeps the phase's first inputs on the
+    CPU instead of a second pass over the dataset. Options are checked now."""
 
     on_end = ClassyHook._noop
 
@@ -82,8 +63,7 @@ class PreciseBatchNormHook(ClassyHook):
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "PreciseBatchNormHook":
-        """Build from a task config entry: ``num_samples`` (required), ``cache_samples``, and
-        any option of :func:`precise_bn.recompute`; an unknown key raises ``TypeError``."""
+        """Build from a task config entry (``num_samples`` required); an unknown key raises ``TypeError``."""
         config = dict(config)
         config.pop("name", None)
         check_names("PreciseBatchNormHook.from_config", config,

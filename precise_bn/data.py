@@ -13,13 +13,8 @@ from .reader import read_privately
 
 
 def smart_forward(model: nn.Module, batch: Any) -> Any:
-    """The default of :func:`precise_bn.recompute`: what the model most likely takes.
-
-    * a tensor: ``model(batch)``;
-    * a list/tuple whose first item is a tensor, ``(input, target, ...)``: ``model(batch[0])``;
-    * a mapping with an ``"input"`` key (ClassyVision samples): ``model(batch["input"])``;
-    * anything else (a list of dicts, a dict of other keys): ``model(batch)``.
-    """
+    """The default forward: a tensor ``model(batch)``, ``(input, target, ...)`` ``model(batch[0])``,
+    ``{"input": x, ...}`` ``model(x)`` (ClassyVision), anything else ``model(batch)``."""
     return model(_smart_input(batch)[0])
 
 
@@ -101,9 +96,7 @@ def count_samples(batch: Any) -> int:
 
 
 class DefaultBudget(int):
-    """A batch budget the caller did not choose: the default of an entry point's argument. It is
-    the same number in every way; a pass its data cuts short then says the budget was a default
-    (a user who never asked for 200 batches is not told that they were asked for)."""
+    """A batch budget the caller did not choose, so that a short pass does not say it was asked for."""
 
 
 #: fvcore's default ``num_iters``, the batches ``update_bn_stats`` and the command read without a budget.
@@ -111,8 +104,7 @@ DEFAULT_ITERS = DefaultBudget(200)
 
 
 def planned_batches(data: Iterable[Any], num_batches: Optional[int]) -> Optional[int]:
-    """How many batches a pass will read, when that is known before it starts: the budget,
-    capped by the data's length when it has one. None when neither is known."""
+    """The batches a pass will read, if known before it starts: the budget capped by the data's length."""
     try:
         length: Optional[int] = len(data)  # type: ignore[arg-type]
     except TypeError:
@@ -141,16 +133,9 @@ _END = object()
 
 
 class CyclingBatches:
-    """An endless iterator over a finite iterable that starts a new pass when one runs out.
-
-    Kept across calls by the helper and the hooks so that successive recalibrations see fresh
-    batches and never silently get fewer than asked. A DataLoader is read through a
-    :class:`~precise_bn.reader.PrivateReader`, so that reading it never changes what a training
-    loop reading the same loader gets. Raises ``StopIteration`` only when a whole
-    new pass yields nothing (an empty data source). A single-pass source (an iterator, such as
-    a generator) cannot start a new pass: it is accepted with a warning, and running out of it
-    raises :class:`~precise_bn.errors.EmptyDataError` saying so.
-    """
+    """An endless iterator over a re-iterable source, kept across a hook's calls so that each sees
+    fresh batches and never fewer than asked (a DataLoader read privately, :mod:`.reader`). A
+    single-pass source gets a warning, then an ``EmptyDataError`` when it runs out."""
 
     def __init__(self, data: Iterable[Any]):
         self.data = read_privately(data)

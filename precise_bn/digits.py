@@ -1,14 +1,5 @@
-"""The demo's task: 8x8 handwritten digits, a small BatchNorm CNN, its training and evaluation.
-
-The data ship with the package (``digits.npz``, 47 kB): the 1797 digits of the UCI "Optical
-Recognition of Handwritten Digits" test set (E. Alpaydin and C. Kaynak, 1998; CC BY 4.0), with a
-fixed stratified quarter held out; ``scripts/export_digits.py`` wrote the file from scikit-learn's
-copy. So the demo, the tests, the benchmarks and the example script need torch and nothing else,
-and never a download.
-
-Used by ``precise-bn demo`` (:mod:`precise_bn.cli.demo`), ``scripts/train_with_precise_bn.py``,
-``benchmarks/budget.py`` and the tests of the standard errors on a real trained network.
-"""
+"""The demo's task: 8x8 handwritten digits, shipped with the package (``digits.npz``, UCI, CC BY
+4.0; source and split in docs/cli.md), a small BatchNorm CNN, its training and evaluation."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,11 +18,8 @@ LEARNING_RATE = 0.1
 
 
 def load_digits() -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The digits as ``(train_x, train_y, test_x, test_y)``: 1347 training and 450 held-out images.
-
-    Images are float32 ``(N, 1, 8, 8)`` scaled from 0-16 to [0, 1], labels int64. The held-out
-    quarter is the same on every call: the demo's seed varies the training, never the test set.
-    """
+    """``(train_x, train_y, test_x, test_y)``: 1347 training and 450 held-out (always the same)
+    float32 ``(N, 1, 8, 8)`` images scaled to [0, 1], int64 labels."""
     with np.load(DATA_FILE, allow_pickle=False) as arrays:
         parts = [torch.from_numpy(arrays[name]) for name in ("train_images", "train_labels", "test_images", "test_labels")]
     train_x, train_y, test_x, test_y = parts
@@ -43,17 +31,14 @@ def _images(pixels: Tensor) -> Tensor:
 
 
 class _DigitsCNN(nn.Sequential):
-    """Casts its input to its parameters' dtype: float32 images feed a float64 copy unchanged
-    (the pixels, multiples of 1/16, are exact in both)."""
+    """Casts its input to its parameters' dtype (pixels, multiples of 1/16, are exact in both)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x.to(self[0].weight.dtype))
 
 
 def make_model(dtype: str = "float32") -> nn.Module:
-    """A small CNN for 8x8 digits with four BatchNorm layers (three 2d, one 1d), its parameters
-    and buffers in ``dtype`` (a name, so that ``--model-kwargs`` can give it; the demo's is
-    ``"float64"``)."""
+    """A small CNN for 8x8 digits with four BatchNorm layers, in ``dtype`` (a name, for ``--model-kwargs``)."""
     if dtype not in ("float32", "float64"):
         raise ConfigError("make_model(dtype={!r}): expected 'float32' or 'float64'".format(dtype))
     kind = {"dtype": getattr(torch, dtype)}  # drawn in this dtype: a cast would keep a float32 kernel's last bits
@@ -76,11 +61,7 @@ def make_model(dtype: str = "float32") -> nn.Module:
 
 
 def train(model: nn.Module, train_x: Tensor, train_y: Tensor, *, steps: int, batch_size: int, seed: int) -> nn.Module:
-    """``steps`` of SGD (momentum 0.9, constant learning rate) on shuffled mini-batches.
-
-    The BN layers keep their default EMA running stats, as in any training run; batches are
-    drawn by a generator seeded with ``seed``, epoch after epoch.
-    """
+    """``steps`` of SGD (momentum 0.9) on mini-batches shuffled by ``seed``; BN keeps its EMA stats."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=0.9, weight_decay=5e-4)
     model.train()

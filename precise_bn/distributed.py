@@ -1,13 +1,6 @@
-"""A thin layer over ``torch.distributed``: who am I, and rounds in which ranks agree or fail together.
-
-Everything here is the identity on a single process (no process group, or a torch build
-without distributed support), so callers never branch on it. Rounds are ``all_gather`` s of
-fixed-size, tagged, numbered headers on a process group of our own (:func:`channel_for`), so no
-collective of the model pairs with them, every wait bounded by ``timeout``; a rank that fails
-answers the round the others are in (:meth:`Ranks.abort`). Statistics are merged in rank order,
-sliced by channel (:mod:`precise_bn.slices`), so every rank performs the same float64
-operations and takes the same decisions. Why each of these: ``docs/distributed.md``.
-"""
+"""A thin layer over ``torch.distributed`` (the identity on one process): rounds in which ranks agree
+or fail together, on a group of our own with bounded waits, and the merge in rank order
+(:mod:`.slices`), so every rank takes the same decisions on the same bits (docs/distributed.md)."""
 from __future__ import annotations
 
 import datetime
@@ -28,10 +21,9 @@ ACTIVE, DONE, FAILED = 0, 1, 2
 #: The rounds' tags, in the order a call plays them; ``abort`` answers any round.
 ROUNDS = ("start", "pass", "end", "abort")
 #: The options every rank of a call must share: they shape the result or the rounds.
-AGREED_OPTIONS = ("num_batches", "num_samples", "rtol", "min_batches", "unbiased", "exact", "prior", "sync",
+AGREED_OPTIONS = ("num_batches", "num_samples", "rtol", "min_batches", "unbiased", "prior", "sync",
                   "autocast")
-#: The round after differing digests: this many fingerprint fields at most, each in this many
-#: bytes (an 8-byte digest of the whole field, then its text, cut if longer).
+#: The round after differing digests: fingerprint fields at most, bytes each (digest, then text).
 _SLOTS, _SLOT_BYTES = 16, 256
 #: Waits at least this long are no limit (``timedelta`` cannot hold much more).
 NO_LIMIT_S = 10 * 365 * 86400.0
@@ -89,8 +81,7 @@ def collective_device(group: Any = None) -> torch.device:
 
 
 def wait_limit(seconds: float) -> Optional[datetime.timedelta]:
-    """``seconds`` as a wait: None (no limit) from :data:`NO_LIMIT_S` up, else at least one
-    millisecond (backends count in milliseconds, and 0 would mean no limit)."""
+    """``seconds`` as a wait: None from :data:`NO_LIMIT_S` up, else at least 1 ms (0 is no limit)."""
     if seconds >= NO_LIMIT_S:
         return None
     return datetime.timedelta(milliseconds=max(1, math.ceil(seconds * 1000.0)))
@@ -109,10 +100,8 @@ _channels: Dict[Any, Channel] = {}
 
 
 def channel_for(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Channel:
-    """The rounds' channel for ``group``: for the default group, a gloo group of our own over
-    the same ranks, made on first use (a collective of every rank, given up after ``timeout``
-    seconds) and reused, its own collectives then limited to the ``timeout`` of each call;
-    any other group as it is."""
+    """The rounds' channel: for the default group, a gloo group of our own over its ranks, made on
+    first use and reused; any other group as it is."""
     dist = _dist()
     world = dist.group.WORLD
     key = world if group is None or group is world else group
@@ -153,8 +142,7 @@ def forget_channel(channel: Channel) -> None:
 
 
 def fingerprint(opts: Options, stats: Sequence[PopulationStats]) -> Dict[str, str]:
-    """What every rank of a call must share, as text by name: the layers with their widths
-    (none included), the :data:`AGREED_OPTIONS`, and the package version."""
+    """What every rank must share, as text by name: layers and widths, options, version."""
     widths = ", ".join("{}:{}".format(s.name, s.num_channels) for s in stats)
     fields = {"layers": "{} layer(s), {} channels ({})".format(len(stats), sum(s.num_channels for s in stats),
                                                                  widths or "none")}
@@ -178,8 +166,8 @@ class Header(NamedTuple):
     seq: int = 0
 
 
-class Part(NamedTuple):
-    """This rank's slice of the channels, merged over every rank (see :meth:`Ranks.merge_part`)."""
+class MergedSlice(NamedTuple):
+    """This rank's slice of the channels merged over every rank, with what assembling needs."""
 
     stats: List[PopulationStats]
     segments: List[slices.Segment]
@@ -189,14 +177,8 @@ class Part(NamedTuple):
 
 
 class Ranks:
-    """The rounds of one call across the ranks of ``group`` (the identity on one process).
-
-    Every rank runs the same sequence of rounds; :meth:`exchange` raises
-    :class:`DistributedError` on every rank alike when any rank reported a failure or the ranks
-    are out of step, and :meth:`start` when they disagree on the call. After a rank raised,
-    :meth:`abort` sends no more rounds. ``received`` counts the bytes this rank's collectives
-    received from the other ranks.
-    """
+    """The rounds of one call across the ranks of ``group``: each raises :class:`DistributedError`
+    on every rank alike when a rank failed or disagrees; ``received`` counts bytes received."""
 
     def __init__(self, enabled: bool, group: Any = None, timeout: float = DEFAULT_TIMEOUT):
         self.world = get_world_size(group) if enabled else 1
@@ -212,8 +194,7 @@ class Ranks:
         self.finished = True
 
     def _run(self, start: Callable[[Any], Any], out: torch.Tensor, what: str) -> torch.Tensor:
-        """Start a collective on the channel's group, wait for it within the timeout, and return
-        ``out`` on the CPU."""
+        """A collective on the channel's group, waited for within the timeout; ``out`` on the CPU."""
         assert self.channel is not None
         try:
             work = start(self.channel.group)
@@ -260,9 +241,7 @@ class Ranks:
         return headers
 
     def start(self, fields: Mapping[str, str]) -> None:
-        """The first round of a call; raises :class:`DistributedError` on every rank alike, as
-        :meth:`exchange` does, and when the ranks' ``fields`` (see :func:`fingerprint`) differ,
-        naming each field that differs and every rank's value of it."""
+        """The first round; also raises when the ranks' ``fields`` differ, naming each rank's values."""
         digest = int.from_bytes(_digest(json.dumps(list(fields.items())), 6), "big")
         headers = self.exchange(ACTIVE, round_="start", fingerprint_=digest)
         if len({h.fingerprint for h in headers}) == 1:
@@ -279,14 +258,12 @@ class Ranks:
             "ranks disagree on {}; every rank must make the same call: the same options on the same BatchNorm "
             "layers, with the same precise-bn version".format("; ".join(differ)))
 
-    def merge_part(self, stats: Sequence[PopulationStats]) -> Part:
-        """This rank's slice of the channels, merged over every rank in rank order (see
-        :mod:`precise_bn.slices`): each rank receives one chunk from every rank, about its own
-        payload in all, whatever the number of ranks."""
+    def merge_part(self, stats: Sequence[PopulationStats]) -> MergedSlice:
+        """This rank's slice of the channels, merged over every rank in rank order."""
         names = [s.name for s in stats]
         plan = slices.plan([s.num_channels for s in stats], self.world)
         if self.world == 1:
-            return Part(list(stats), plan[0], plan, 0, list(stats))
+            return MergedSlice(list(stats), plan[0], plan, 0, list(stats))
         size = slices.chunk_size(plan)
         states = [s.state().cpu() for s in stats]
         send = torch.cat([slices.pack(states, segments, size) for segments in plan]).to(self.device)
@@ -294,11 +271,10 @@ class Ranks:
         chunks = self._run(lambda g: _dist().all_to_all_single(out, send, group=g, async_op=True), out,
                            "merge of statistics").view(self.world, size)
         segments = plan[self.rank]
-        return Part(slices.merge_in_rank_order(list(chunks), segments, names), segments, plan, size, list(stats))
+        return MergedSlice(slices.merge_in_rank_order(list(chunks), segments, names), segments, plan, size, list(stats))
 
-    def worst(self, part: Part, score: Callable[[PopulationStats], float]) -> List[float]:
-        """Per layer, the largest ``score`` of any rank's merged piece of it (``-inf`` for a
-        layer no piece holds): the same floats on every rank, since a maximum has no rounding."""
+    def worst(self, part: MergedSlice, score: Callable[[PopulationStats], float]) -> List[float]:
+        """Per layer, the largest ``score`` of any rank's piece (``-inf`` if none): the same on every rank."""
         values = torch.full((len(part.local),), -math.inf, dtype=torch.float64)
         for seg, piece in zip(part.segments, part.stats):
             values[seg.layer] = max(float(values[seg.layer]), float(score(piece)))
@@ -308,9 +284,8 @@ class Ranks:
                                values, "exchange of the precision check")
         return values.tolist()
 
-    def assemble(self, part: Part) -> List[PopulationStats]:
-        """Every layer, merged over every rank: the merged slices gathered. Identical bits on
-        every rank, equal to one process merging every rank's statistics in rank order."""
+    def assemble(self, part: MergedSlice) -> List[PopulationStats]:
+        """Every layer merged over every rank: the same bits everywhere, as one process merging them."""
         if self.world == 1:
             return part.local
         mine = torch.cat([torch.zeros(0, dtype=torch.float64)] + [s.state().cpu() for s in part.stats])
@@ -318,8 +293,7 @@ class Ranks:
         return slices.join(self._gather(padded, "merge of statistics"), part.plan, [s.name for s in part.local])
 
     def abort(self) -> None:
-        """Answer the round the other ranks are in with a failure, unless this rank is past its
-        last round or the group is broken; never raises (the caller re-raises its own error)."""
+        """Answer the others' round with a failure (unless past the last round); never raises."""
         if self.finished:
             return
         self.finished = True
@@ -330,8 +304,7 @@ class Ranks:
 
 
 def _encode(fields: Mapping[str, str]) -> torch.Tensor:
-    """``fields`` in :data:`_SLOTS` slots of :data:`_SLOT_BYTES` bytes: the digest of
-    ``name NUL value``, then as much of that text as fits."""
+    """``fields`` in :data:`_SLOTS` slots: each one's digest, then as much of its text as fits."""
     assert len(fields) <= _SLOTS
     out = torch.zeros(_SLOTS, _SLOT_BYTES, dtype=torch.uint8)
     for slot, (name, value) in zip(out, fields.items()):
@@ -353,8 +326,7 @@ def _decode(part: torch.Tensor) -> Dict[str, Tuple[bytes, str]]:
 
 
 def _by_value(values: Sequence[Tuple[bytes, str]]) -> str:
-    """``value on ranks 0-2, 5; other on rank 3``: the ranks that share each value (values cut
-    alike are told apart by their digests)."""
+    """``value on ranks 0-2, 5; other on rank 3`` (values cut alike told apart by digests)."""
     ranks: Dict[bytes, List[int]] = {}
     for rank, (digest, _) in enumerate(values):
         ranks.setdefault(digest, []).append(rank)

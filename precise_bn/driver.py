@@ -1,12 +1,5 @@
-"""The pass both backends share, and :func:`recalibrate`, the whole call: budget, progress,
-rounds with the other ranks, the ``rtol`` stop, the report, then the backend's write.
-
-A backend (:class:`Backend`) runs a batch, reads its layers' statistics and writes results; the
-driver decides how many batches to run, when to talk to the other ranks (every
-:data:`CHECK_EVERY` batches, so that a failed rank is known within a few batches), and when the
-statistics are precise enough (:func:`~precise_bn.precision.worst_ratio`, decided on the same
-bits on every rank). The path of one call and its guarantees: docs/ARCHITECTURE.md.
-"""
+"""The pass both backends share and :func:`recalibrate`, the whole call: budget, progress, rounds
+with the other ranks, the ``rtol`` stop, the report, the backend's write (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,10 +27,8 @@ CHECK_EVERY = 8
 
 
 class Backend(Protocol):
-    """What the driver needs from a backend: the layers, running batches, reading statistics,
-    and writing results (a write that the call undoes if it raises afterwards). The backend
-    carries what the call is named in logs (``label``), what the report calls its estimator
-    (``kind``), and what the caller calls the batch budget (``budget_name``)."""
+    """What the driver needs from a backend: the layers, running batches, reading statistics and
+    writing results; its name in logs (``label``), its estimator's (``kind``), its budget's."""
 
     label: str
     kind: str
@@ -47,9 +38,8 @@ class Backend(Protocol):
     #: The dtype of each layer's running buffers: what the results must fit in.
     dtypes: List[torch.dtype]
     empty_reason: str
-    #: Once the batches are run, all put back: modules whose running statistics a forward changed
-    #: outside the measured layers (a functional ``batch_norm``, not recomputed), the other buffers
-    #: changed outside BN layers' statistics, and the parameters written in place (by name).
+    #: Known after the batches, all put back: functional ``batch_norm`` statistics, other buffers and
+    #: parameters the forwards changed (by name).
     not_recomputed: Sequence[str]
     changed_buffers: Sequence[str]
     changed_parameters: Sequence[str]
@@ -57,15 +47,10 @@ class Backend(Protocol):
     def choose(self) -> None:
         """Choose the layers (``names``, ``eps``, ``dtypes`` are known afterwards)."""
 
-    def old_stats(self) -> List[Stats]:
-        """Each layer's running mean and variance before the pass, float64 on the CPU, in
-        tensors of their own (after :meth:`attach`)."""
-
-    def plan(self, batches: Optional[int]) -> None:
-        """The number of batches the pass expects to read (None: unknown), before the first."""
-
-    def attach(self) -> None:
-        """Prepare the model for measuring (undone by :meth:`restore`)."""
+    def prepare(self, batches: Optional[int]) -> List[Stats]:
+        """Ready the model for about ``batches`` batches (None: unknown), undone by
+        :meth:`restore`; return each layer's running mean and variance from before the pass,
+        float64 on the CPU, in tensors of their own."""
 
     def restore(self) -> None:
         """Put the model back exactly as before the call (idempotent; rewinds a write too)."""
@@ -80,13 +65,12 @@ class Backend(Protocol):
         """This process's statistics so far, one per layer, pending calls merged."""
 
     def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
-        """Put the model back and write ``results`` (None: keep that layer's statistics) with
-        :func:`~precise_bn.signals.write`, so that a call that raises afterwards undoes it;
-        keep in ``report`` what ``report.undo()`` needs."""
+        """Put the model back and write ``results`` (None: keep a layer's) as one
+        :func:`~precise_bn.signals.write`; keep in ``report`` what ``report.undo()`` needs."""
 
 
 @dataclass
-class Outcome:
+class PassResult:
     """What a pass read: ``stats`` merged over ranks, counts summed over ranks."""
 
     stats: List[PopulationStats]
@@ -98,10 +82,8 @@ class Outcome:
 
 
 class _Progress:
-    """A tqdm bar on stderr (when asked, or by default when stderr is a terminal) counting
-    batches, whose total is what the pass will really read (with a sample budget, estimated
-    from the batches read so far: a batch is never cut), and ``log_period`` lines when there
-    is no bar."""
+    """A tqdm bar on stderr (default: on a terminal) whose total is what the pass will really read
+    (:func:`~precise_bn.data.batches_for_samples`), else ``log_period`` lines."""
 
     def __init__(self, opts: Options, planned: Optional[int], label: str):
         self.label, self.planned, self.num_samples = label, planned, opts.num_samples
@@ -149,7 +131,7 @@ class _Rounds:
     def needed(self) -> bool:
         return self.ranks.world > 1 or self.opts.rtol is not None
 
-    def play(self, status: int, batches: int, samples: int) -> Tuple[bool, bool]:
+    def report_status(self, status: int, batches: int, samples: int) -> Tuple[bool, bool]:
         """One round; returns (every rank is done, the statistics are precise enough)."""
         headers = self.ranks.exchange(status, batches, samples)
         self.totals = (sum(h.batches for h in headers), sum(h.samples for h in headers))
@@ -157,8 +139,7 @@ class _Rounds:
         check = self.opts.rtol is not None and self.totals[0] >= self.opts.min_batches
         if not (check or all_done):
             return all_done, False
-        # Each rank merges a slice of the channels; the decision needs only each layer's worst
-        # ratio over the slices (1 or less: precise enough), and the whole statistics travel
+        # The decision needs each layer's worst ratio over the slices only; whole statistics travel
         # once the pass stops.
         part = self.ranks.merge_part(self.backend.collect())
         rtol, samples = self.opts.rtol or 0.0, self.totals[1]
@@ -168,7 +149,8 @@ class _Rounds:
         return all_done, precise
 
 
-def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks, planned: Optional[int]) -> Outcome:
+def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ranks,
+             planned: Optional[int]) -> PassResult:
     """Run ``backend`` over ``batches`` within the budget of ``opts``; merge over ``ranks``."""
     rounds = _Rounds(backend, ranks, opts)
     progress = _Progress(opts, planned, backend.label)
@@ -190,26 +172,25 @@ def run_pass(backend: Backend, batches: Iterator[Any], opts: Options, ranks: Ran
                 samples += backend.step(batch)
                 done += 1
                 progress.update(done, samples)
-                if rounds.needed and done % CHECK_EVERY == 0 and rounds.play(ACTIVE, done, samples)[1]:
+                if rounds.needed and done % CHECK_EVERY == 0 and rounds.report_status(ACTIVE, done, samples)[1]:
                     stop = "rtol"
                     break
     finally:
         progress.close()
     if ranks.world == 1:
-        return Outcome(backend.collect(), done, samples, stop, done, samples)
+        return PassResult(backend.collect(), done, samples, stop, done, samples)
     while stop != "rtol":
-        all_done, precise = rounds.play(DONE, done, samples)
+        all_done, precise = rounds.report_status(DONE, done, samples)
         if precise:
             stop = "rtol"
         elif all_done:
             break
     assert rounds.merged is not None
-    return Outcome(rounds.merged, rounds.totals[0], rounds.totals[1], stop, done, samples)
+    return PassResult(rounds.merged, rounds.totals[0], rounds.totals[1], stop, done, samples)
 
 
-def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") -> None:
-    """A :class:`PreciseBNWarning` when this rank's data ended before its budget; ``what`` is
-    the budget's name for the caller, and a budget left at its default is called so."""
+def warn_if_short(opts: Options, outcome: PassResult, what: str = "num_batches") -> None:
+    """A :class:`PreciseBNWarning` when this rank's data ended before its budget (named ``what``)."""
     if outcome.stop != "data":
         return
     read = counted(outcome.local_batches, "batch", "batches")
@@ -224,14 +205,12 @@ def warn_if_short(opts: Options, outcome: Outcome, what: str = "num_batches") ->
 
 
 def finalize(stats: Sequence[PopulationStats], unbiased: bool) -> List[Optional[Stats]]:
-    """Each layer's ``(mean, var)`` in float64, or None for a layer that never ran (a
-    non-finite one raises :class:`~precise_bn.NonFiniteStatsError`, naming the layer)."""
+    """Each layer's float64 ``(mean, var)``, None where it never ran (non-finite: an error naming it)."""
     return [s.finalize(unbiased) if s.count else None for s in stats]
 
 
 def name_not_recomputed(backend: Backend, report: BNReport) -> None:
-    """Fill in ``report`` what the forwards changed besides the measured statistics, all put back
-    (``not_recomputed``, ``changed_buffers``, ``changed_parameters``), and name it in one warning."""
+    """Put in ``report`` what the forwards changed besides the statistics, and warn of it once."""
     report.not_recomputed = list(backend.not_recomputed)
     report.changed_buffers = list(backend.changed_buffers)
     report.changed_parameters = list(backend.changed_parameters)
@@ -244,7 +223,7 @@ def build_report(
     names: Sequence[str],
     old: Sequence[Stats],
     eps: Sequence[float],
-    outcome: Outcome,
+    outcome: PassResult,
     results: Sequence[Optional[Stats]],
     *,
     estimator: str,
@@ -253,8 +232,7 @@ def build_report(
     seconds: float,
     reasons: Sequence[Dict[str, List[int]]],
 ) -> BNReport:
-    """The :class:`BNReport` of a pass, with every layer's standard errors and, in ``reasons``,
-    the channels whose standard errors cannot be trusted (:func:`~precise_bn.precision.flags`)."""
+    """The :class:`BNReport` of a pass, with standard errors and ``reasons`` not to trust some."""
     report = BNReport(batches=outcome.batches, samples=outcome.samples, world_size=world_size,
                       estimator=estimator, seconds=seconds, stop=outcome.stop, rtol=opts.rtol)
     for name, (old_mean, old_var), layer_eps, s, result, why in zip(names, old, eps, outcome.stats, results, reasons):
@@ -273,20 +251,13 @@ def build_report(
 
 
 def recalibrate(backend: Backend, data: Iterable[Any], opts: Options, *, write: bool = True) -> BNReport:
-    """One recalibration, on any backend: choose the layers, measure, report, write.
-
-    Called inside an all-or-nothing call (:func:`~precise_bn.signals.all_or_nothing`), which
-    undoes the write if anything raises before it returns. ``write=False`` measures and reports
-    only: the model is left as it was (``precise_bn.check``). With several ranks, any exception
-    on one rank, from choosing the layers to the report, makes every other rank raise
-    :class:`~precise_bn.DistributedError`; no rank writes unless all can.
-    """
+    """One recalibration on any backend, inside an all-or-nothing call: choose, measure, report,
+    write (``write=False``: the model left as it was). An exception on one rank makes every
+    other raise :class:`~precise_bn.DistributedError`; no rank writes unless all can."""
     started = time.perf_counter()
     ranks: Optional[Ranks] = None
     grad_enabled = torch.is_grad_enabled()
-    # Not a ``with`` block: an exception between two statements (a signal's handler) must still
-    # tell the other ranks and put the model back, and a ``__exit__`` is not guaranteed to run
-    # (a signal handled on entering it raises with the captures still on).
+    # Not a ``with`` block: a signal on entering ``__exit__`` would skip it (docs/interrupts.md).
     try:
         ranks = Ranks(resolve_sync(opts.sync, opts.group), opts.group, opts.timeout)
         backend.choose()
@@ -319,10 +290,8 @@ def _measure(backend: Backend, data: Iterable[Any], opts: Options, ranks: Ranks,
     logger.info("%s: measuring %d BatchNorm layer%s (%s estimator)", label, len(backend.names),
                 "" if len(backend.names) == 1 else "s", backend.kind)
     planned = planned_batches(data, opts.num_batches)
-    backend.plan(planned)
     warn_if_rtol_unreachable(opts, planned, getattr(data, "batch_size", None), ranks.world)
-    backend.attach()
-    old = backend.old_stats()
+    old = backend.prepare(planned)
     outcome = run_pass(backend, iter(data), opts, ranks, planned)
     if outcome.batches == 0:
         raise EmptyDataError("the data gave no batch{}: nothing to measure, model unchanged".format(

@@ -1,5 +1,4 @@
-"""The package's exception types (every error a user can act on derives from PreciseBNError), its
-warning type, and :func:`warn`, which names the user's line."""
+"""The package's exception types (all derive from PreciseBNError), its warning and :func:`warn`."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +9,7 @@ from typing import Any, NamedTuple, Sequence
 
 
 class PreciseBNError(Exception):
-    """Base class of every error raised by precise-bn."""
+    pass
 
 
 class ConfigError(PreciseBNError, ValueError):
@@ -22,8 +21,7 @@ class EmptyDataError(PreciseBNError):
 
 
 class BatchError(PreciseBNError, TypeError):
-    """The model could not take a batch the way it was handed over; the message shows the
-    batch's structure and the options (``forward_fn``, ``input_key``) that fix it."""
+    """The model refused a batch as handed over; the message shows it and the ``forward_fn`` that fixes it."""
 
 
 class NonFiniteStatsError(PreciseBNError, FloatingPointError):
@@ -35,19 +33,12 @@ class LayerError(PreciseBNError):
 
 
 class ConcurrentPassError(PreciseBNError, RuntimeError):
-    """Another pass is running on the model (or on a module it shares with the model), in another
-    thread or further up this one's stack; nothing was changed. Passes on one model cannot
-    overlap: each would put back the other's half-done state."""
+    """Another pass runs on a module of the model (each would put back the other's half-done state)."""
 
 
 class ParameterChangedError(PreciseBNError):
-    """The model's forward wrote a parameter in place on a later batch of a pass whose first batch
-    wrote none, so that its copy of the parameters was already released; the message names it. No
-    statistics were written and every buffer was put back; that parameter holds what the forward
-    wrote. (A parameter written on the first batch is put back, and the pass completes: see
-    ``BNReport.changed_parameters``.)"""
+    """The forward wrote a parameter in place after a first batch that wrote none (docs/interrupts.md)."""
 
-    #: What to do about a forward that writes parameters, for this error and the pass's warning.
     advice = ("A statistics pass should not change weights: move that change out of forward (into the "
               "training step), or skip it when torch.is_grad_enabled() is False")
 
@@ -57,9 +48,7 @@ class DistributedError(PreciseBNError):
 
 
 class Fix(NamedTuple):
-    """One way out of a :class:`CheckpointError`: call again with the keyword argument ``option``
-    set to ``value`` (``why`` says what that does). The command line shows the same advice as
-    its flag (``key`` -> ``--key``, ``trust`` -> ``--trust-checkpoint``)."""
+    """One way out of a :class:`CheckpointError`: call again with ``option=value``."""
 
     option: str
     value: Any
@@ -71,12 +60,7 @@ class UndoError(PreciseBNError):
 
 
 class CheckpointError(PreciseBNError):
-    """A checkpoint cannot be read, matched to the model, or written; the message names file and key.
-
-    ``message`` is the problem alone; ``fixes`` the arguments that would solve it, as fields
-    (so that a caller can act on them, and the command line can name its own flags). ``str()``
-    gives both, the fixes as Python keyword arguments.
-    """
+    """A checkpoint cannot be read, matched or written: ``message`` says why, ``fixes`` what solves it."""
 
     def __init__(self, message: str, *fixes: Fix):
         super().__init__(message, *fixes)
@@ -88,8 +72,6 @@ class CheckpointError(PreciseBNError):
 
 
 def join_fixes(message: str, arguments: Sequence[str], fixes: Sequence[Fix]) -> str:
-    """``message`` followed by each fix (``arguments`` spell each one's setting): after "; " on a
-    one-line message, one line each under a longer one."""
     parts = ["pass {}{}".format(a, " " + f.why if f.why else "") for a, f in zip(arguments, fixes)]
     if "\n" in message:
         return "\n".join([message] + ["  likely fix: " + p for p in parts])
@@ -105,11 +87,10 @@ class BackendUnavailableError(PreciseBNError, ImportError):
 
 
 class PreciseBNWarning(UserWarning):
-    """Something the user should know but that does not stop the job (short data, unused layers)."""
+    """Something to know that does not stop the job (short data, unused layers)."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-#: ``with recalibrated(...)`` enters the package through contextlib's ``__enter__``.
 _CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 
@@ -119,9 +100,7 @@ def _passed_through(filename: str) -> bool:
 
 
 def warn(message: str) -> None:
-    """Issue a :class:`PreciseBNWarning` that points at the user's line: the first frame, going
-    outwards, whose code is neither the package's (however deep in it the warning arose) nor
-    contextlib's."""
+    """A :class:`PreciseBNWarning` at the first frame outside the package and contextlib (``with``)."""
     frame = sys._getframe(1)
     level = 2
     while frame is not None and _passed_through(frame.f_code.co_filename):

@@ -1,15 +1,5 @@
-"""``PreciseBNCallback``: precise BN stats for Lightning's validation and checkpoints.
-
-    from precise_bn.lightning import PreciseBNCallback
-    trainer = Trainer(callbacks=[PreciseBNCallback(num_batches=200), ModelCheckpoint(...)])
-
-A :class:`~precise_bn.PreciseBNHook` driven by Lightning's callbacks: it recomputes at the start
-of each validation and before each checkpoint (keyed by the step, the checkpoint loaded from and
-the weights), writes into ``checkpoint["state_dict"]`` too, recomputes ``WeightAveraging``'s
-averaged copy with the module, and leaves training bit for bit as it was. Which files hold which
-statistics, and why: ``docs/integrations.md``. Importing :mod:`precise_bn` never needs
-Lightning; this module does (``lightning``, or the older ``pytorch_lightning``).
-"""
+"""``PreciseBNCallback``: a :class:`~precise_bn.PreciseBNHook` driven by Lightning, before each
+validation and checkpoint, ``WeightAveraging``'s copy included (docs/integrations.md)."""
 from __future__ import annotations
 
 import difflib
@@ -43,9 +33,8 @@ LOGGER = logging.getLogger(pl.__name__ + ".callbacks.precise_bn")
 
 
 def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoader]:
-    """The trainer's training DataLoader, or None outside fit; a ConfigError asks for ``data=``
-    when there are several, or when it is not a DataLoader: the callback cannot tell whether
-    iterating such an object takes batches from the training loop."""
+    """The trainer's training DataLoader, or None outside fit; a ConfigError asks for ``data=`` when
+    there are several or it is not a DataLoader (reading it might take batches from training)."""
     loader = trainer.train_dataloader
     if loader is None or isinstance(loader, torch.utils.data.DataLoader):
         return loader
@@ -57,33 +46,12 @@ def _training_loader(trainer: "pl.Trainer") -> Optional[torch.utils.data.DataLoa
 
 
 class PreciseBNCallback(pl.Callback):
-    """Recompute precise BN stats at the start of validation and before each checkpoint.
-
-    Args:
-        num_batches: batches per recomputation, on each rank (None: limited by ``num_samples``,
-            which counts all ranks together, or ``rtol``).
-        data: batches to recompute on; default: the trainer's training DataLoader (under DDP
-            each rank reads its own shard and the stats are merged across ranks), read through
-            a loader of its own (:mod:`precise_bn.reader`). A training dataloader that is not a torch DataLoader is
-            refused (reading it might take batches from training): pass ``data`` then. A kept
-            iterator continues across recomputations and starts a new pass when one ends.
-        attribute: the submodule of the LightningModule to recompute, e.g. ``"model"`` or
-            ``"backbone.encoder"``; default: the LightningModule itself.
-        **options: every option of :func:`precise_bn.recompute` (``num_samples``, ``rtol``,
-            ``forward_fn``, ``layers``, ``exact``...), checked now; ``attribute`` and named
-            ``layers`` are checked against the module at ``setup``, before training starts.
-            ``forward_fn(target, batch)`` runs in the trainer's precision context (autocast
-            for mixed precision); by default ``(input, target)`` batches give
-            ``target(batch[0])``, and a batch the target refuses raises
-            :class:`~precise_bn.BatchError` saying which ``forward_fn`` to pass. The device
-            defaults to the LightningModule's, and the layers to those in training mode
-            during the first training batch (validation runs in eval mode, so the train flags
-            at recomputation time would not tell frozen BN layers apart).
-
-    Validation during the sanity check runs before any training and is left alone. Under DDP
-    every rank takes part in each recomputation; only rank 0 writes the checkpoint file, as
-    Lightning does.
-    """
+    """``num_batches`` per rank; ``data`` defaults to the trainer's training DataLoader (each rank
+    its shard), read through a loader of its own; ``attribute`` names the submodule to recompute
+    (default: the LightningModule). Options are checked now, ``attribute`` and ``layers`` at
+    ``setup``; ``forward_fn`` runs in the trainer's precision context. The layers default to those
+    in training mode during the first training batch (validation runs in eval mode). The sanity
+    check's validation is left alone."""
 
     def __init__(
         self,
@@ -183,15 +151,13 @@ class PreciseBNCallback(pl.Callback):
             )
 
     def _averaged(self, trainer: "pl.Trainer") -> List[nn.Module]:
-        """The target's copies in the averaged models of Lightning's ``WeightAveraging`` callbacks
-        (versions that have them)."""
+        """The target's copies in Lightning's ``WeightAveraging`` callbacks' averaged models."""
         kind = getattr(pl.callbacks, "WeightAveraging", ())
         averaged = [getattr(c, "_average_model", None) for c in trainer.callbacks if isinstance(c, kind)]
         return [self.target(a.module) for a in averaged if a is not None]
 
     def _get_hook(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Optional[PreciseBNHook]:
-        """The hook for the module being validated or saved now, and its averaged copies: a new
-        one for a new module (``validate(other_module)`` after ``fit``)."""
+        """The hook for the module validated or saved now (a new one for ``validate(other)``)."""
         target, averaged = self.target(pl_module), self._averaged(trainer)
         if self.hook is not None and self.hook.model is target and self.hook.job.members[1:] == averaged:
             return self.hook

@@ -1,14 +1,5 @@
-"""``ExactPreciseBNHook``: exact precise BN for OpenMMLab runners (mmengine, mmpretrain, mmaction2).
-
-    custom_hooks = [dict(type="ExactPreciseBNHook", num_samples=8192, interval=1)]
-
-Importing this module registers the hook in mmengine's ``HOOKS``. It takes mmpretrain's
-``PreciseBNHook`` arguments and every option of :func:`precise_bn.recompute`, and recomputes
-before each validation and checkpoint at a due point, on every rank (mmengine calls
-``before_save_checkpoint`` on rank 0 alone, so that pass runs just before it), ``EMAHook``'s copy
-too, merging every BN call exactly where mmpretrain averages per-batch statistics. When, which
-files, and the differences from mmpretrain: ``docs/integrations.md`` ("OpenMMLab").
-"""
+"""``ExactPreciseBNHook`` for OpenMMLab runners, registered on import
+(``custom_hooks = [dict(type="ExactPreciseBNHook", ...)]``): mmpretrain's arguments, exact."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
@@ -32,8 +23,7 @@ except ImportError as error:
 
 
 def _saves_now(checkpoints: CheckpointHook, runner: Any, by_epoch: bool) -> bool:
-    """Whether ``checkpoints`` saves at this point: its own conditions, as its
-    ``after_train_epoch`` (``by_epoch``) or ``after_train_iter`` checks them."""
+    """Whether ``checkpoints`` saves at this point, by its own conditions."""
     if checkpoints.by_epoch != by_epoch:
         return False
     start = getattr(checkpoints, "save_begin", 0)
@@ -45,24 +35,16 @@ def _saves_now(checkpoints: CheckpointHook, runner: Any, by_epoch: bool) -> bool
 
 
 def mm_forward(model: nn.Module, batch: Any) -> Any:
-    """An OpenMMLab model's forward on a dataloader batch, as its ``val_step`` runs it: through
-    the data preprocessor, whose output (a dict, or a tuple) becomes the arguments."""
+    """An OpenMMLab model's forward on a batch, through its data preprocessor as ``val_step`` does."""
     data = model.data_preprocessor(batch, False)
     return model(**data, mode="tensor") if isinstance(data, dict) else model(*data, mode="tensor")
 
 
 @HOOKS.register_module()
 class ExactPreciseBNHook(Hook):
-    """Recompute exact BN statistics before validation and before checkpoints (module docstring).
-
-    Args:
-        num_samples: samples per recomputation, all ranks together, as mmpretrain counts them
-            (its default, 8192): each of N ranks reads ``ceil(num_samples / N)``.
-        interval: act every this many epochs (iterations with an iteration-based loop).
-        data: batches to recompute on; default: the runner's training dataloader.
-        **options: every option of :func:`precise_bn.recompute` (``rtol``, ``num_batches``
-            per rank, ``layers``, ``forward_fn``, ``prior``...), checked now.
-    """
+    """Recompute before validations and checkpoints every ``interval`` epochs (or iterations) on
+    ``num_samples`` of all ranks together (mmpretrain's count), from ``data`` (default: the
+    runner's training dataloader); options are checked now."""
 
     # After EMAHook (NORMAL), which updates the EMA weights after each iteration and swaps them
     # in and out around validation and checkpoints; before CheckpointHook (VERY_LOW).
@@ -116,8 +98,7 @@ class ExactPreciseBNHook(Hook):
         self._before_checkpoints(runner, by_epoch=True)
 
     def _before_checkpoints(self, runner: Any, by_epoch: bool) -> None:
-        """The pass, on every rank, for what a CheckpointHook saves next (it runs after this
-        hook); ``before_checkpoint`` is the one call that writes."""
+        """The pass, on every rank, for what a CheckpointHook saves next (it runs after this hook)."""
         hook = self._get_hook(runner)
         done = runner.iter if by_epoch else runner.iter + 1  # mmengine counts the iteration after these hooks
         if hook is not None and self._due(runner, done) and any(
@@ -148,8 +129,7 @@ class ExactPreciseBNHook(Hook):
                  "collected for them".format(", ".join(missing)))
 
     def _due(self, runner: Any, done: int) -> bool:
-        """Whether the point after ``done`` training iterations ends a due epoch (epoch loop) or
-        is a due iteration (iteration loop)."""
+        """Whether the point after ``done`` iterations is due (an epoch's end, or an iteration)."""
         loop = runner.train_loop
         if not isinstance(loop, IterBasedTrainLoop):
             per_epoch = len(loop.dataloader)

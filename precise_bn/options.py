@@ -13,6 +13,7 @@ import difflib
 import inspect
 import math
 import numbers
+import warnings
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -29,6 +30,8 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_LOG_PERIOD = 20
 #: Batches read before a precision-driven stop may happen (see ``rtol``).
 DEFAULT_MIN_BATCHES = 16
+#: Options that no longer do anything, with why: accepted (so old calls run), ignored, warned about.
+RETIRED = {"exact": "every call of every layer is measured in float64 since 0.2.0, whatever it says"}
 
 
 def positive_int(name: str, value: Any, allow_none: bool = True) -> None:
@@ -140,9 +143,6 @@ class Options:
     layers: LayerSpec = _option(
         None, "`None`: BN layers in training mode (all of them if the whole model is in eval mode); `\"all\"`; "
         "or a list of modules / qualified names")
-    exact: bool = _option(
-        False, "no effect, kept so that existing calls work: every call of every layer is measured in float64, "
-        "whatever this says (docs/numerics.md)")
     autocast: Union[None, bool, torch.dtype] = _option(
         None, "run the forward under `torch.autocast` (`True` or a dtype); BN stays float32")
     sync: Optional[bool] = _option(
@@ -174,7 +174,6 @@ class Options:
                 self.forward_fn))
         object.__setattr__(self, "device", as_device(self.device))
         check_layers(self.layers)
-        _flag("exact", self.exact)
         _autocast(self.autocast)
         _flag("sync", self.sync, allow_none=True)
         _group(self.group, self.sync)
@@ -197,6 +196,7 @@ class Options:
         """``Options(**kwargs)``, but an unknown name raises ``TypeError`` naming ``where`` and
         the closest name ``where`` takes, as a misspelt keyword argument of a function would:
         ``also_known`` are the caller's own arguments, offered as hints with the options."""
+        kwargs = drop_retired(where, kwargs)
         check_names(where, kwargs, [f.name for f in dataclasses.fields(cls)], also_known)
         return cls(**kwargs)
 
@@ -206,6 +206,7 @@ class Options:
 
     def replace(self, **changes: Any) -> "Options":
         """A copy with ``changes`` (checked like :meth:`build`)."""
+        changes = drop_retired("Options.replace", changes)
         check_names("Options.replace", changes, [f.name for f in dataclasses.fields(self)])
         return dataclasses.replace(self, **changes)
 
@@ -214,10 +215,21 @@ def check_names(where: str, given: Any, known: Sequence[str], hints_too: Sequenc
     """Raise ``TypeError`` for the first name of ``given`` not in ``known``, suggesting the
     closest of ``known`` and ``hints_too`` (names ``where`` takes, but not in ``given``)."""
     for name in given:
-        if name not in known:
+        if name not in known and name not in RETIRED:
             close = difflib.get_close_matches(name, list(known) + list(hints_too), n=1)
             hint = "; did you mean {!r}?".format(close[0]) if close else ""
             raise TypeError("{}() got an unexpected keyword argument {!r}{}".format(where, name, hint))
+
+
+def drop_retired(where: str, given: Dict[str, Any]) -> Dict[str, Any]:
+    """``given`` without the :data:`RETIRED` options, each still checked and warned about."""
+    kept = dict(given)
+    for name, why in RETIRED.items():
+        if name in kept:
+            _flag(name, kept.pop(name))
+            warnings.warn("{}: {} is deprecated and ignored: {}; drop it".format(where, name, why),
+                          DeprecationWarning, stacklevel=3)
+    return kept
 
 
 def own_arguments(function: Callable[..., Any]) -> Tuple[str, ...]:

@@ -1,15 +1,6 @@
-"""A DataLoader read through one of our own, so that a recomputation never changes what training reads.
-
-Why: a DataLoader's iteration can share state with the training loop. One with persistent
-workers keeps one iterator per object (``iter()`` resets it); mmengine's ``InfiniteSampler``
-keeps one index stream for all its iterators; a batch sampler may keep buckets across them; a
-sampler or the loader may draw from a generator of its own. :class:`PrivateReader` reads a new
-DataLoader over the same dataset, with the same batch size, collate_fn and workers: a copy of
-the sampler with a generator of its own (one that holds a stream is replaced by a permutation
-of this rank's share), the batch sampler rebuilt around it, and a new order each pass (the
-copy's ``set_epoch``). The generators a pass draws from globally (augmentations, dropout) are
-:mod:`precise_bn.rng`'s job.
-"""
+"""A DataLoader read through one of our own (same dataset, batches and workers; samplers copied
+with generators of their own), so that a recomputation never changes what training reads:
+persistent workers, stream samplers and buckets share state across iterators (docs/integrations.md)."""
 from __future__ import annotations
 
 import collections.abc
@@ -57,10 +48,8 @@ def _private_sampler(sampler: Any, size: int, seed: int) -> Any:
 
 
 def private_loader(loader: DataLoader, seed: int) -> DataLoader:
-    """A DataLoader of its own over ``loader``'s dataset, read the way ``loader`` reads it
-    (module docstring); ``seed`` seeds its generators. A batch sampler that cannot be rebuilt
-    around another sampler (its class's constructor is not ``BatchSampler``'s) raises
-    :class:`~precise_bn.ConfigError`."""
+    """A DataLoader of its own read the way ``loader`` reads, seeded by ``seed``; a ConfigError for
+    a batch sampler that cannot be rebuilt around another sampler."""
     settings: Dict[str, Any] = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                                     pin_memory=loader.pin_memory, timeout=loader.timeout,
                                     worker_init_fn=loader.worker_init_fn, generator=torch.Generator().manual_seed(seed),
@@ -94,9 +83,8 @@ def _sampler_of(loader: DataLoader) -> Any:
 
 
 class PrivateReader:
-    """Batches of the DataLoader ``current()`` returns, read through :func:`private_loader`;
-    looked up at each pass (a framework may rebuild its loader between epochs). While
-    ``current()`` returns None (a framework outside training), the last one is read."""
+    """The DataLoader ``current()`` returns at each pass (the last one while it returns None), read
+    through :func:`private_loader`."""
 
     def __init__(self, current: Callable[[], Optional[DataLoader]]):
         self.current = current
@@ -118,5 +106,15 @@ class PrivateReader:
 
 
 def read_privately(data: Iterable[Any]) -> Iterable[Any]:
-    """A DataLoader read through a :class:`PrivateReader`; anything else as it is."""
-    return PrivateReader(lambda: data) if isinstance(data, DataLoader) else data
+    """A DataLoader through a :class:`PrivateReader`; a wrapper holding one as ``loader`` (timm's
+    ``PrefetchLoader``) as a shallow copy around one, its own work kept; anything else as it is."""
+    if isinstance(data, DataLoader):
+        return PrivateReader(lambda: data)
+    if isinstance(getattr(data, "loader", None), DataLoader):
+        own = copy.copy(data)
+        try:
+            own.loader = PrivateReader(lambda: data.loader)  # type: ignore[attr-defined]
+        except AttributeError:  # a read-only property: nothing to redirect
+            return data
+        return own
+    return data

@@ -1,12 +1,5 @@
-"""Every random number generator a recomputation can draw from, saved before it and put back after.
-
-Why: a hook or callback recomputes in the middle of training. Shuffling a DataLoader's sampler,
-its worker seeds, the dataset's augmentations (torch, numpy or ``random``) and dropout in the
-forward all draw from generators the training run draws from too; without this, a run with
-precise BN would see other batches, other augmentations and other dropout masks afterwards
-than the same run without it. Restoring every generator makes the training run bit for bit
-the one it would have been.
-"""
+"""Every random generator a recomputation can draw from (shuffling, worker seeds, augmentations,
+dropout), saved before it and put back after: training then draws what it would have drawn."""
 from __future__ import annotations
 
 import random
@@ -17,9 +10,8 @@ import torch
 
 
 def loader_generators(loader: Any) -> List[torch.Generator]:
-    """The ``torch.Generator`` objects iterating ``loader`` draws from besides the global ones:
-    a DataLoader's own (its worker seeds) and its sampler's or batch sampler's (shuffling). A
-    wrapper holding a DataLoader as ``loader`` (timm's ``PrefetchLoader``) shows it."""
+    """The ``torch.Generator`` objects iterating ``loader`` (or the DataLoader a wrapper holds as
+    ``loader``) draws from besides the global ones: its own and its samplers'."""
     loader = getattr(loader, "loader", loader)
     batch_sampler = getattr(loader, "batch_sampler", None)
     owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))

@@ -1,15 +1,6 @@
-"""Changes no signal can split or leave half-made: an interrupt never leaves a model half-changed.
-
-A signal's Python handler (Ctrl-C's ``KeyboardInterrupt``) runs at whatever bytecode the main
-thread is at. For the length of a call, :class:`Relays` replace every handler by a relay that
-only records a signal inside a :class:`critical` section and hands it over when the section
-ends. :func:`all_or_nothing` decorates each entry point that changes a model for its caller;
-inside it, :func:`write` makes a change whose undo runs if the outermost such call raises,
-whatever and wherever (signals stay deferred from the write until that call returns), so no
-statement has to be a call's last. :func:`checkpoint` raises what a handler raised inside a
-finaliser, which Python would have swallowed. Why each piece is built as it is, and the window
-left on Python 3.9: docs/interrupts.md ("How it works").
-"""
+"""Changes no signal can split or leave half-made: relays that defer a signal's handler inside a
+:class:`critical` section, and :func:`all_or_nothing` calls whose every :func:`write` is undone
+if they raise, whatever and wherever. How and why: docs/interrupts.md ("How it works")."""
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +19,7 @@ except ImportError:  # another Python implementation
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Signals whose default action ends the process, turned into :class:`Terminated` where a
-#: caller asks (``Relays(terminate=True)``).
+#: Signals ending the process by default, raised as :class:`Terminated` where asked.
 TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 _originals: Dict[int, Any] = {}  # what each relayed signal had: a handler, or SIG_DFL
@@ -42,8 +32,7 @@ _unraisable_hooks: List[Callable[[Any], Any]] = []  # the hook ours replaced
 
 
 class Terminated(SystemExit):
-    """SIGTERM or SIGHUP arrived while relayed with ``terminate=True``; the exit code is 128 +
-    the signal number, as a shell reports a process the signal ended."""
+    """SIGTERM or SIGHUP while relayed with ``terminate=True``; ``code`` is 128 + the signal, as a shell's."""
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -51,8 +40,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def _handler(signum: int, original: Any) -> Any:
-    """The handler a relayed signal goes to: its own, or :func:`_terminate` for one of
-    :data:`TERMINATING` at its default action."""
+    """The handler a relayed signal goes to: its own, or :func:`_terminate` at the default action."""
     return _terminate if signum in TERMINATING and original == _raw.SIG_DFL else original
 
 
@@ -63,8 +51,8 @@ def in_critical_section() -> bool:
 
 
 def _relay(signum: int, frame: Any) -> None:
-    """Defer the signal inside a critical section, else pass it on; a relay that no call holds
-    any more (a release was cut short) first puts its original back."""
+    """Defer the signal inside a critical section, else pass it on (an unheld relay first gives
+    its original back)."""
     original = _originals.get(signum)
     if original is None:
         return
@@ -86,8 +74,7 @@ def _call(handler: Callable[..., Any], signum: int, frame: Any) -> None:
 
 
 def _rescue(unraisable: Any) -> None:
-    """``sys.unraisablehook`` while relays are installed: keeps what a relayed handler raised
-    inside a finaliser for :func:`checkpoint`; anything else goes to the hook it replaced."""
+    """``sys.unraisablehook`` while relayed: keeps a handler's exception in a finaliser for :func:`checkpoint`."""
     if _holders and _raised and unraisable.exc_value is _raised[0]:
         _rescued.append(_raised.pop())
     elif _unraisable_hooks:
@@ -95,8 +82,7 @@ def _rescue(unraisable: Any) -> None:
 
 
 def checkpoint() -> None:
-    """Raise what a relayed handler raised inside a finaliser since the last checkpoint (the
-    first, if several were), instead of losing it."""
+    """Raise what a relayed handler raised inside a finaliser since the last checkpoint (Python drops it)."""
     if _rescued:
         exc = _rescued[0]
         _rescued.clear()
@@ -140,22 +126,15 @@ def _leave() -> None:
 
 
 class Relays:
-    """The relays of one call: :meth:`install` at its start (inside the ``try`` that releases),
-    :meth:`release` at its end; both may be called again. Nested calls share the relays of the
-    outermost; ``terminate``: also relay SIGTERM and SIGHUP left at their default action, as
-    :class:`Terminated` (for a call that must clean up, such as a file write).
-
-    A call holds the relays while it is in ``_holders``: adding and discarding is one
-    operation each, which a signal cannot split.
-    """
+    """The relays of one call: :meth:`install` at its start, :meth:`release` at its end (both
+    repeatable), shared by nested calls; ``terminate`` also relays SIGTERM and SIGHUP at their
+    default action as :class:`Terminated`. Holding is one set operation a signal cannot split."""
 
     def __init__(self, terminate: bool = False):
         self.terminate = terminate
 
     def install(self) -> "Relays":
-        """Relay every Python signal handler. If a handler raises meanwhile (an original not
-        relayed yet, or a relay passing a signal on), what was done is undone before the
-        exception leaves. Not a critical section (docs/interrupts.md)."""
+        """Relay every Python signal handler; a handler raising meanwhile undoes it first."""
         if threading.current_thread() is not threading.main_thread() or self in _holders:
             return self
         try:
@@ -185,12 +164,8 @@ class Relays:
         return self
 
     def release(self) -> None:
-        """Give the original handlers back once no call holds the relays.
-
-        Not a critical section (docs/interrupts.md): a handler that raises half-way
-        leaves some relays in place, and the caller's ``except``, calling this again,
-        finishes the job.
-        """
+        """Give the original handlers back once no call holds the relays (cut short, a second call
+        finishes the job)."""
         if threading.current_thread() is not threading.main_thread():
             return
         _holders.discard(self)
@@ -200,9 +175,8 @@ class Relays:
 
 @contextlib.contextmanager
 def relayed(terminate: bool = False) -> Iterator[None]:
-    """``with relayed(terminate=True):`` the block runs with the relays installed: SIGTERM and
-    SIGHUP at their default action raise :class:`Terminated` (so ``finally`` blocks and cleanup
-    run) where they would end the process at once; other handlers behave as before."""
+    """``with relayed(terminate=True):`` the block runs relayed, SIGTERM and SIGHUP raising
+    :class:`Terminated` (so cleanup runs) where they would end the process."""
     relays = Relays(terminate)
     try:
         relays.install()
@@ -212,9 +186,7 @@ def relayed(terminate: bool = False) -> Iterator[None]:
 
 
 class critical:
-    """``with critical():`` defers signals for the block and hands them to their handlers when
-    the outermost block ends; a handler that raises then raises there. Entered only while the
-    call's relays are installed (docs/interrupts.md)."""
+    """``with critical():`` defers signals to the end of the outermost block (relays installed)."""
 
     def __enter__(self) -> "critical":
         _enter()
@@ -225,9 +197,8 @@ class critical:
 
 
 class _Call:
-    """One all-or-nothing call's place among the thread's open ones. The outermost (``root``)
-    keeps every write's undo and the deferral that started with the first write; a nested call
-    remembers where its own undos start (``mark``)."""
+    """One all-or-nothing call among the thread's open ones: the outermost keeps every undo and
+    the deferral, a nested one where its own undos start (``mark``)."""
 
     def __init__(self) -> None:
         self.relays = Relays()
@@ -244,8 +215,7 @@ class _Call:
         self.relays.install()
 
     def commit(self) -> None:
-        """The call returned: the outermost hands the deferred signals over (a handler that
-        raises lands in the caller's ``except``, which undoes); a nested one only leaves."""
+        """The call returned: the outermost hands the deferred signals over; a nested one leaves."""
         if self.root is self:
             self.stop_deferring()
         _leave_stack(self)
@@ -293,9 +263,8 @@ def _leave_stack(call: _Call) -> None:
 
 
 def all_or_nothing(fn: F) -> F:
-    """Decorate a function that changes a model for its caller: if it raises, whatever and
-    wherever (a signal's handler included, up to its last bytecodes: docs/interrupts.md),
-    every :func:`write` made inside it is undone before the exception leaves."""
+    """Decorate a function that changes a model: if it raises, whatever and wherever (a signal's
+    handler too), every :func:`write` made inside it is undone before the exception leaves."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -313,10 +282,8 @@ def all_or_nothing(fn: F) -> F:
 
 
 def write(change: Callable[[], Any], undo: Callable[[], Any]) -> None:
-    """Make ``change()`` now, undone by ``undo()`` if the outermost all-or-nothing call around
-    it raises. Signals are deferred from here to that call's end, so ``change`` is never split
-    and nothing after it can leave it half-made or outliving a failed call. ``undo`` must put
-    back what ``change`` may have changed, whether it ran whole, in part, or not at all."""
+    """Make ``change()`` now, undone by ``undo()`` if the outermost all-or-nothing call raises;
+    signals wait from here to that call's end. ``undo`` must work after a partial ``change``."""
     stack = _local.calls
     if not stack:
         raise RuntimeError("signals.write() outside an all-or-nothing call: decorate the function "

@@ -1,13 +1,5 @@
-"""The merge sliced by channel: which rank merges which channels, and the packing on the way.
-
-The concatenated channels of all layers are cut into W contiguous slices; rank ``r`` receives
-every rank's part of slice ``r``, merges them in rank order (the operations one process
-merging the union in rank order performs on those channels), and the merged slices are then
-gathered, so each rank receives about twice its payload whatever W. A slice is a list of
-segments ``(layer, lo, hi)``, each travelling as a packed state (the layer's three counts, then
-the per-channel rows cut to ``lo:hi``). Pure functions with no collective, so a test can play
-all ranks in one process. Why: ``docs/distributed.md`` ("How the merge scales").
-"""
+"""The merge sliced by channel: rank ``r`` merges slice ``r`` of all layers' channels, in rank order,
+then the slices are gathered. Pure functions, so a test plays every rank (docs/distributed.md)."""
 from __future__ import annotations
 
 from typing import List, NamedTuple, Sequence
@@ -31,10 +23,7 @@ class Segment(NamedTuple):
 
 
 def plan(widths: Sequence[int], world: int) -> List[List[Segment]]:
-    """Each rank's slice of the concatenated channels of layers of ``widths`` channels.
-
-    Slices are contiguous, in rank order, and differ in width by one channel at most.
-    """
+    """Each rank's slice of the layers' concatenated channels: contiguous, widths within one."""
     total = sum(widths)
     bounds = [total * rank // world for rank in range(world + 1)]
     slices: List[List[Segment]] = []

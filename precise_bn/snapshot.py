@@ -1,9 +1,5 @@
-"""What a call wrote, kept after it returns, so that it can be undone: ``report.undo()`` (only
-if nothing changed the statistics since: same tensor objects, ``_version`` counters and bits,
-else :class:`~precise_bn.UndoError`, on every rank if any refuses) and the end of a
-``with recalibrated(...)`` block (whatever happened since). :class:`Place` puts a value back
-into a tensor only where its data lived. Why and how: docs/recalibration.md and docs/interrupts.md.
-"""
+"""What a call wrote, kept so that ``report.undo()`` and the end of a ``recalibrated`` block can put
+the old statistics back (docs/recalibration.md, docs/interrupts.md)."""
 from __future__ import annotations
 
 import weakref
@@ -36,8 +32,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _storage(tensor: torch.Tensor) -> Any:
-    """The tensor's storage, or None for one without a storage of its own (sparse, a subclass
-    that wraps others: a ``DTensor``'s storage exists but has no data pointer)."""
+    """The tensor's storage, or None without one of its own (sparse, a wrapper such as ``DTensor``)."""
     if tensor.layout != torch.strided:
         return None
     try:
@@ -49,8 +44,7 @@ def _storage(tensor: torch.Tensor) -> Any:
 
 
 class Place:
-    """Where a tensor's data lived when this was made (storage, offset, sizes, strides, dtype,
-    device), so that a value can be put back there safely (:meth:`put`)."""
+    """Where a tensor's data lived, so that a value can be put back there safely (:meth:`put`)."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -72,10 +66,8 @@ class Place:
             return True
 
     def put(self, value: torch.Tensor) -> None:
-        """Make the tensor (the same object) hold ``value`` where its data lived. A tensor that
-        moved is first pointed back at its own storage, so nothing is written through sizes that
-        storage may not hold (torch leaves such sizes when it refuses a resize half-way, as for a
-        buffer exported with ``.numpy()``); then only differing bits are written."""
+        """Make the tensor hold ``value`` where its data lived (pointed back at its storage first: a
+        refused resize can leave sizes it cannot hold); only differing bits are written."""
         tensor = self.tensor
         if self.moved():
             shape, dtype, device = self.where[:3]
@@ -120,12 +112,8 @@ class BufferRecord:
 
 
 class Snapshot:
-    """The recomputed layers' buffers before a call and as it left them (see :meth:`undo`).
-
-    Build it right after the write, in the same all-or-nothing call: ``saved`` lists
-    ``(layer name, module, key, tensor, value before)`` for every buffer of every recomputed
-    layer. ``sync``, ``group`` and ``timeout`` are the call's, for the round of :meth:`undo`.
-    """
+    """The recomputed layers' buffers before a call and as it left them, built right after the
+    write: ``saved`` holds ``(layer, module, key, tensor, value before)``."""
 
     def __init__(self, saved: List[Any], sync: Optional[bool] = None, group: Any = None,
                  timeout: float = DEFAULT_TIMEOUT):
@@ -142,10 +130,8 @@ class Snapshot:
         return ["layer {!r}: {}".format(r.layer, c) for r in self.records for c in [r.change()] if c]
 
     def undo(self) -> None:
-        """Put back the statistics from before the call, if nothing changed them since; else
-        raise :class:`~precise_bn.UndoError` (on every rank, if any rank refuses) and change
-        nothing. A :func:`~precise_bn.signals.write`, so called inside an all-or-nothing call
-        (``report.undo()``): an interrupt leaves either the call's statistics or the old ones."""
+        """Put back the statistics from before the call if nothing changed them since (objects,
+        versions, bits), else :class:`~precise_bn.UndoError` on every rank and no change."""
         ranks = Ranks(resolve_sync(self.sync, self.group), self.group, self.timeout)
         try:
             if self.undone:
@@ -165,9 +151,8 @@ class Snapshot:
 
     @all_or_nothing
     def restore(self) -> None:
-        """Put back the statistics from before the call whatever happened since (unless already
-        undone): what leaving a ``with recalibrated(...)`` block does. Idempotent: a caller cut
-        short by an interrupt calls it again on the way out."""
+        """Put back the statistics from before the call whatever happened since (idempotent): the
+        end of a ``recalibrated`` block."""
         if self.undone:
             return
         with critical():

@@ -1,13 +1,5 @@
-"""``TorchJob``: what the training-loop integrations recompute on PyTorch, and how.
-
-The PyTorch counterpart of :class:`~precise_bn.caffe2.backend.Caffe2AuxModel`: one or more
-models recalibrated together on an endless source of batches, without changing the training
-run around them (every random generator is put back, see :mod:`precise_bn.rng`; a DataLoader
-is read through a loader of its own, see :mod:`precise_bn.reader`). Shared by
-:class:`~precise_bn.PreciseBNHook` (so by the Lightning and mmengine hooks) and
-:class:`~precise_bn.BatchNormHelper`'s torch backend; :func:`recalibrate_untouched` is the
-same guarantee for one pass (the Classy hook).
-"""
+"""What the training-loop integrations recompute on PyTorch: models recalibrated together on an
+endless source of batches, the training run around them unchanged (:mod:`.rng`, :mod:`.reader`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -31,10 +23,8 @@ TorchCache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 def recalibrate_untouched(model: nn.Module, data: Iterable[Any], opts: Options,
                           explain_batches: Optional[bool] = None,
                           generators: Sequence[torch.Generator] = ()) -> BNReport:
-    """A recalibration with the global random generators and ``generators`` put back as soon
-    as it returns or raises, so that training goes on drawing what it would have drawn without
-    it. Called inside an all-or-nothing call (a hook's), whose signals stay deferred from the
-    write until it returns."""
+    """A recalibration with the global random generators and ``generators`` put back as soon as it
+    returns or raises: training draws what it would have drawn without it."""
     kept = rng.SavedRNG(generators)
     try:
         return recalibrate(BNPass(model, opts, explain_batches=explain_batches), data, opts)
@@ -42,16 +32,10 @@ def recalibrate_untouched(model: nn.Module, data: Iterable[Any], opts: Options,
         kept.restore()
 
 
-class TorchJob:
-    """One or more models recalibrated together on an endless source of batches.
-
-    With ``extra_models`` (an EMA or SWA copy), each batch runs through ``model`` and then
-    every extra model in the same pass, so no batch is stored; the layer names then carry the
-    prefix ``"model."`` or ``"extra_<i>."``. Extra models use their BN layers in training
-    mode, or all of them when the copy is in eval mode (as EMA copies usually are). The layers
-    are chosen at the first recomputation; named layers are checked now. ``forward_context``
-    (e.g. a framework's precision context) is entered around each model's forward.
-    """
+class TorchRecalibrator:
+    """``model`` and ``extra_models`` (EMA, SWA copies: their layers in training mode, or all of
+    them in eval mode) recalibrated in one pass, each batch through each model in turn, names
+    prefixed ``model.`` / ``extra_<i>.``; ``forward_context`` wraps each forward."""
 
     def __init__(self, model: nn.Module, data: Iterable[Any], opts: Options, extra_models: Sequence[nn.Module] = (),
                  forward_context: Optional[Callable[[], ContextManager[Any]]] = None):
@@ -68,16 +52,9 @@ class TorchJob:
         self._prepared = False
 
     def state(self) -> Tuple[Any, ...]:
-        """What the stats are a function of besides the data: which modules, and which weights.
-
-        Every in-place change of a parameter (an optimizer step, a ``swa_utils`` EMA update,
-        loading a checkpoint with ``load_state_dict``) bumps its version counter, but not a
-        write through ``.data`` (how mmengine's and Lightning's averaging callbacks swap and
-        copy weights: the integrations drop the cache where that changes what is evaluated);
-        a new module or new parameter objects change the identities. The running buffers are
-        left out on purpose: writing cached stats back after something touched them is the
-        cache's job.
-        """
+        """What the stats depend on besides the data: the modules and the weights (identities and
+        version counters, which every in-place change bumps but a write through ``.data``, where
+        the integrations call ``forget``). Not the buffers: the cache writes those back."""
         return tuple(id(m) for m in self.members), tuple(
             (id(p), p._version) for member in self.members for p in member.parameters())
 
@@ -109,9 +86,7 @@ class TorchJob:
         return lambda _net, batch: [one(m, batch) for m in members]
 
     def run(self, store: Store[TorchCache], opts: Optional[Options] = None) -> BNReport:
-        """Recompute (with ``opts``, by default those given); then every random generator is
-        put back and the written stats are stored (cloned). Called inside an all-or-nothing
-        call (``StepCache.recompute_or_write_back``), which undoes both if it raises."""
+        """Recompute (with ``opts``, default those given) and ``store`` clones of the stats written."""
         opts = opts or self.opts
         if not self._prepared:
             self._prepare()
@@ -126,8 +101,7 @@ class TorchJob:
 
     @all_or_nothing
     def apply(self, cache: TorchCache) -> None:
-        """Write cached stats back as one :func:`~precise_bn.signals.write`, which an interrupt
-        cannot split or leave behind."""
+        """Write cached stats back as one :func:`~precise_bn.signals.write`."""
         modules = dict(self.net.named_modules())
         targets = [(modules[name], mean, var) for name, (mean, var) in cache.items()]
         saved = [(m.running_mean.clone(), m.running_var.clone()) for m, _, _ in targets]

@@ -555,7 +555,8 @@ def test_exact_where_the_kernels_own_statistics_are_not(c2, ratio):
     report = no_warning_of_ours(helper.compute_and_update_bn_stats)
     assert report.estimator == "caffe2" and report.batches == 3
     result = {(d, layer): fed(c2, d, layer) for d in ("gpu_0", "gpu_1") for layer in ("in", "conv1", "conv2")}
-    exact = BatchNormHelper(backend="caffe2", iters=3, num_gpus=2, exact=True)
+    with pytest.warns(DeprecationWarning, match="exact is deprecated and ignored"):
+        exact = BatchNormHelper(backend="caffe2", iters=3, num_gpus=2, exact=True)
     exact.create_bn_aux_model(model, feeds)
     exact.compute_and_update_bn_stats()
     for (d, layer), (rm, riv) in result.items():

@@ -106,6 +106,7 @@ def test_recompute_layout_keeps_other_keys_and_matches_reference(kind, exact, tm
     )
     assert result.returncode == 0, result.stderr
     assert "mean drift" in result.stdout and "Traceback" not in result.stderr
+    assert ("--exact is deprecated and ignored" in result.stderr) == exact
     data = batches()
     samples = sum(len(x) for x, _ in data)
     if kind == "safetensors":

@@ -132,8 +132,9 @@ def test_built_from_a_task_config_through_the_registry():
     from classy_vision.hooks import build_hook
     from classy_vision.hooks.precise_batch_norm_hook import PreciseBatchNormHook as ClassyOwnHook
 
-    hook = build_hook({"name": "exact_precise_bn", "num_samples": 10.0, "cache_samples": True, "exact": True})
-    assert isinstance(hook, PreciseBatchNormHook) and hook.cache_samples and hook.options.exact
+    with pytest.warns(DeprecationWarning, match="exact is deprecated and ignored"):
+        hook = build_hook({"name": "exact_precise_bn", "num_samples": 10.0, "cache_samples": True, "exact": True})
+    assert isinstance(hook, PreciseBatchNormHook) and hook.cache_samples and not hasattr(hook.options, "exact")
     assert hook.options.num_samples == 10
     assert isinstance(build_hook({"name": "precise_bn", "num_samples": 10}), ClassyOwnHook)
 

@@ -31,7 +31,9 @@ SUBCOMMANDS = sorted(_subparsers())
 
 
 def _flags(parser: argparse.ArgumentParser) -> Set[str]:
-    return {flag for action in parser._actions for flag in action.option_strings if flag not in ("-h", "--help")}
+    """The flags a sub-command offers: all but ``--help`` and the retired ones it hides."""
+    return {flag for action in parser._actions for flag in action.option_strings
+            if flag not in ("-h", "--help") and action.help != argparse.SUPPRESS}
 
 
 def _common_flags() -> Set[str]:

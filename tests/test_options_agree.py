@@ -11,7 +11,7 @@ import pytest
 
 from precise_bn import recompute
 from precise_bn.cli.parser import build_parser
-from precise_bn.options import OPTION_FIELDS, Options, option_help, options_table
+from precise_bn.options import OPTION_FIELDS, RETIRED, Options, option_help, options_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,16 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # checkpoint run fixes them (sync, group: torchrun's group; forward_fn: --forward-fn and
 # --input-key build it; progress and log_period: --quiet).
 CLI_FLAGS = {"num_batches": "--num-batches", "num_samples": "--num-samples", "device": "--device",
-             "exact": "--exact", "rtol": "--rtol", "min_batches": "--min-batches", "timeout": "--timeout"}
+             "rtol": "--rtol", "min_batches": "--min-batches", "timeout": "--timeout"}
 
 
 def test_recompute_takes_exactly_the_options_with_their_defaults():
     params = [p for p in inspect.signature(recompute).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    assert [p.name for p in params] == list(OPTION_FIELDS)
+    assert [p.name for p in params] == list(OPTION_FIELDS) + list(RETIRED)
     for p in params:
-        assert p.default == OPTION_FIELDS[p.name].default, p.name
-    doc = recompute.__doc__ or ""
-    assert all("{}:".format(name) in doc for name in OPTION_FIELDS), "recompute's docstring misses an option"
+        assert p.default == (OPTION_FIELDS[p.name].default if p.name in OPTION_FIELDS else None), p.name
+    doc = recompute.__doc__ or ""  # its options' lines are generated from their meanings: help() shows them
+    assert all("{}: {}".format(name, option_help(name)) in doc for name in OPTION_FIELDS)
 
 
 def test_every_option_has_a_meaning_and_the_readme_table_is_generated_from_them():
@@ -114,7 +114,7 @@ OWN_MISSPELT = [("check", "alhpa", "alpha"), ("BatchNormHelper", "iter", "iters"
                 ("PreciseBNCallback", "num_batchs", "num_batches"),
                 ("PreciseBatchNormHook", "cache_sample", "cache_samples"),
                 ("PreciseBatchNormHook.from_config", "cache_sample", "cache_samples")]
-MISSPELT = ([(where, "exatc", "exact") for where in _entry_points()]
+MISSPELT = ([(where, "unbaised", "unbiased") for where in _entry_points()]
             + [(where, "num_batchs", "num_batches") for where in ("recalibrated", "check")])
 
 
@@ -127,3 +127,30 @@ def test_a_misspelt_name_fails_at_once_naming_the_entry_point_and_the_closest_na
     said = "{}.*{!r}".format(re.escape(where), name) + hinted
     with pytest.raises(TypeError, match=said):
         _entry_points()[where](**{name: 1})
+
+
+ENTRY_POINTS = [pytest.param(where, marks=[pytest.mark.main_env] if where in MAIN_ENV else []) for where in _entry_points()]
+
+
+@pytest.mark.parametrize("where", ENTRY_POINTS)
+def test_exact_is_accepted_everywhere_with_a_deprecation_warning_and_offered_nowhere(where):
+    """Old calls still run: ``exact=True`` warns why it is ignored and goes no further than the
+    warning (the call then fails, or not, as it does without it); a value that was never valid
+    still fails. The README, the command's help and ``Options`` no longer list it."""
+    def outcome(**kw):
+        try:
+            _entry_points()[where](**kw)
+        except Exception as exc:  # noqa: BLE001 - the model and data are built to fail a pass
+            return type(exc)
+        return None
+
+    with pytest.warns(DeprecationWarning, match="exact is deprecated and ignored: every call of every layer is "
+                      "measured in float64"):
+        with_exact = outcome(exact=True)
+    assert with_exact == outcome()
+    with pytest.raises(Exception, match="exact must be True or False"):
+        _entry_points()[where](exact="yes")
+    assert "exact" not in OPTION_FIELDS and "`exact`" not in options_table()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "--exact" in _recompute_actions() and not any("--exact" in p.format_help() for p in sub.choices.values())

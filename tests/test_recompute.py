@@ -102,12 +102,14 @@ def test_exact_is_a_no_op_kept_for_existing_calls():
     factory, shapes = KINDS[sorted(KINDS)[0]]
     batches = make_batches(shapes)
     written = []
-    for exact in (False, True):
+    for given in ({}, {"exact": True}, {"exact": False}):
         torch.manual_seed(0)
         model = BNOnly(factory())
-        recompute(model, batches, exact=exact)
+        with pytest.warns(DeprecationWarning, match="exact is deprecated and ignored") if given else \
+                warnings.catch_warnings():
+            recompute(model, batches, **given)
         written.append(model.state_dict())
-    assert all(torch.equal(written[0][key], written[1][key]) for key in written[0])
+    assert all(torch.equal(written[0][key], other[key]) for other in written[1:] for key in written[0])
 
 
 def test_lazy_bn_once_materialised_and_refused_before():

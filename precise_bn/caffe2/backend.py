@@ -1,13 +1,5 @@
-"""The Caffe2 backend: run the aux net, measure its SpatialBN inputs, feed the result per device.
-
-After each run of the aux net (:mod:`precise_bn.caffe2.net`) every device's input of every layer
-is measured in float64 (:func:`~precise_bn.caffe2.stats.measure_input`), never taken from
-Caffe2's float32 ``E[x^2] - E[x]^2``; every (device, iteration) call is merged by its element
-count, and the result, rounded to nearest float32, is fed as ``{layer}_bn_rm`` /
-``{layer}_bn_riv`` to every device, so all devices hold identical bits. A non-finite input
-raises :class:`NonFiniteStatsError` naming layer, device and iteration. The pass itself is the
-shared driver's (:mod:`precise_bn.driver`). Why: ``docs/caffe2.md``.
-"""
+"""The Caffe2 backend: run the aux net, measure every device's SpatialBN inputs in float64 (never
+Caffe2's float32 statistics), feed every device the same merged result (docs/caffe2.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -36,22 +28,9 @@ Feeds = Dict[str, np.ndarray]
 Caffe2Cache = Dict[str, Tuple[np.ndarray, np.ndarray]]
 
 class Caffe2AuxModel:
-    """The Caffe2 aux net and the recalibration of its BN layers.
-
-    Built by ``BatchNormHelper(backend="caffe2").create_bn_aux_model(model, data)``.
-
-    Args:
-        model: a ``ModelHelper`` (aux or training net), ``core.Net``, ``NetDef``, or a callable
-            building one; its parameters must already live in the current workspace.
-        data: optional iterable of ``{blob name: ndarray}`` fed before each run (re-iterated when
-            it runs out); None for nets with their own reader ops.
-        settings: the helper's settings (``num_gpus``, ``root_gpu_id``, ``device_prefix``,
-            ``bn_epsilon``). Each layer reports the epsilon its op normalises with (its
-            ``epsilon`` argument, else Caffe2's 1e-5); a ``bn_epsilon`` that differs from it is
-            logged as a warning, since the config then disagrees with the net.
-        opts: the pass's options (``num_batches`` is the helper's ``iters``; ``exact`` changes
-            nothing: every call is measured in float64).
-    """
+    """The Caffe2 aux net of ``model`` (a ``ModelHelper``, net, ``NetDef`` or a callable building
+    one, parameters in the workspace), ``data`` (``{blob: ndarray}`` feeds, or None for reader
+    ops) fed before each run; a ``bn_epsilon`` setting other than a layer's own is warned of."""
 
     def __init__(self, model: Any, data: Optional[Iterable[Feeds]], settings: Dict[str, Any], opts: Options):
         _, self.workspace, caffe2_pb2 = import_caffe2()
@@ -110,8 +89,7 @@ class Caffe2AuxModel:
         self.workspace.RunNet(self.net.name)
 
     def fetch_input(self, b: BNBlobs) -> np.ndarray:
-        """The input of ``b``'s SpatialBN after a run: a view of the blob itself on the CPU (no
-        copy; valid until the next run), a copy on the host from any other device."""
+        """``b``'s SpatialBN input after a run: the blob itself on the CPU (until the next run), else a copy."""
         if b.option.device_type == self._cpu:
             return self.workspace.C.Workspace.current.create_blob(b.x).as_tensor().data
         return self.workspace.FetchBlob(b.x)
@@ -126,8 +104,7 @@ class Caffe2AuxModel:
             self.workspace.FeedBlob(b.riv, riv, device_option=b.option)
 
     def run(self, store: Callable[[Caffe2Cache, BNReport], None]) -> BNReport:
-        """Recompute and feed the stats; ``store(cache, report)`` keeps what was fed. Called
-        inside an all-or-nothing call (``StepCache.recompute_or_write_back``), which undoes both if it raises."""
+        """Recompute and feed the stats; ``store(cache, report)`` keeps what was fed."""
         report = recalibrate(_Caffe2Pass(self), self.batches, self.opts)
         store({layer.name: (layer.new_mean.numpy().astype(np.float32), layer.new_var.numpy().astype(np.float32))
                for layer in report.layers if layer.ran}, report)
@@ -135,8 +112,7 @@ class Caffe2AuxModel:
 
     @all_or_nothing
     def apply(self, cache: Caffe2Cache) -> None:
-        """Feed cached float32 ``(rm, riv)`` to every device of each layer, running no net, as one
-        :func:`~precise_bn.signals.write` that an interrupt cannot split or leave behind."""
+        """Feed cached ``(rm, riv)`` to every device of each layer as one :func:`~precise_bn.signals.write`."""
         snapshot = self.snapshot()
         fed = [(b, mean, var) for name, (mean, var) in cache.items() for b in self.layers[name]]
         write(lambda: self.restore(fed), lambda: self.restore(snapshot))
@@ -170,14 +146,12 @@ class _Caffe2Pass:
         """Every SpatialBN layer of the net: keep their running stats as they are now."""
         self._snapshot = self.aux.snapshot()
 
-    def old_stats(self) -> List[Stats]:
+    def prepare(self, batches: Optional[int]) -> List[Stats]:
+        """The running stats :meth:`choose` kept: nothing else to prepare."""
         assert self._snapshot is not None
         first = {b.layer: (rm, riv) for b, rm, riv in self._snapshot if b.device == self.aux.devices[0]}
         return [(torch.from_numpy(first[name][0].astype(np.float64)).reshape(-1),
                  torch.from_numpy(first[name][1].astype(np.float64)).reshape(-1)) for name in self.names]
-
-    def attach(self) -> None:
-        """Nothing to attach: the aux net's inputs are read after each run."""
 
     def restore(self) -> None:
         """Every device's running stats as before the pass (train-mode SpatialBN updates them)."""
@@ -187,12 +161,8 @@ class _Caffe2Pass:
     def running(self) -> Any:
         return contextlib.nullcontext()
 
-    def plan(self, batches: Optional[int]) -> None:
-        """Nothing to prepare: the Caffe2 backend compiles nothing."""
-
     def step(self, feeds: Optional[Feeds]) -> int:
-        """Feed and run the net, then measure every device's input of every layer in float64
-        (:func:`~precise_bn.caffe2.stats.measure_input`); return the samples."""
+        """Feed and run the net, measure every device's input of every layer; return the samples."""
         if feeds is not None:
             self.aux.feed(feeds)
         self.aux.run_net()
@@ -213,8 +183,7 @@ class _Caffe2Pass:
         return samples
 
     def _refuse(self, b: BNBlobs, var: np.ndarray) -> None:
-        """Raise for a call whose input holds NaN or Inf, naming the layers before it whose kernel
-        cancelled on this device: their NaN output is what this layer read."""
+        """Raise for a non-finite input, naming the layers before it whose kernel cancelled (NaN out)."""
         fetch = self.aux.workspace.FetchBlob
         before = self.names[:self.names.index(b.layer)]
         cancelled = [name for name in before for a in self.aux.layers[name]
@@ -226,9 +195,7 @@ class _Caffe2Pass:
                 self.iteration, self.aux.opts.num_batches, _cancelled_text(cancelled)))
 
     def collect(self) -> List[PopulationStats]:
-        """Merge the pending calls: the layers whose calls counted the same elements go through
-        one :func:`~precise_bn.estimator.combine_calls` together (a handful of operators for all
-        of them instead of for each), then each takes its channels' part."""
+        """Merge the pending calls, layers of equal element counts through one ``combine_calls``."""
         groups: Dict[Tuple[int, ...], List[_Calls]] = {}
         for calls in self._calls:
             if calls.counts:
@@ -243,8 +210,7 @@ class _Caffe2Pass:
         return self.stats
 
     def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
-        """Feed every device the results rounded to nearest float32 (numpy's ``astype``), and
-        the stats from before the pass to a layer without results; nothing for ``report.undo()``."""
+        """Feed every device the results rounded to nearest float32 (old stats where none)."""
         fed = [(b, result[0].numpy().astype(np.float32), result[1].numpy().astype(np.float32))
                for blobs, result in zip(self.aux.layers.values(), results) if result is not None for b in blobs]
 

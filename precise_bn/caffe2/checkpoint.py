@@ -1,13 +1,6 @@
-"""Caffe2 ``.pkl`` checkpoints: safe loading and atomic saving.
-
-Caffe2 tools pickle ``{"blobs": {name: ndarray}}`` (Detectron adds ``"cfg"``) or a flat
-``{name: ndarray}``, often from Python 2. Unpickling runs whatever callable the file names, so
-:func:`read_caffe2_pickle` resolves only numpy's array, dtype and scalar rebuilders and plain
-containers. Writing back keeps every entry, the layout and the pickle protocol; only the blobs
-given change. Those files are read under numpy 1.x, which has no ``numpy._core``, so
-:class:`_PortablePickler` names numpy's rebuilders by their ``numpy.core`` path. This module
-needs numpy only, never Caffe2.
-"""
+"""Caffe2 ``.pkl`` checkpoints (often Python 2 pickles): read building numpy objects and plain
+containers only (unpickling runs what the file names), written back with layout, entries and
+protocol kept, only the blobs given changed. Needs numpy, never Caffe2."""
 from __future__ import annotations
 
 import collections
@@ -75,11 +68,7 @@ DEFAULT_PROTOCOL = 2
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """Builds numpy arrays, dtypes, scalars and plain containers; refuses every other global.
-
-    ``encoding="latin1"`` reads Python 2 ``str`` objects (blob names, array bytes) as numpy
-    expects them.
-    """
+    """Builds numpy arrays, dtypes, scalars and plain containers; refuses every other global."""
 
     def __init__(self, handle: Any, path: str):
         super().__init__(handle, encoding="latin1")
@@ -121,18 +110,9 @@ def _blob_name(key: Any) -> str:
 
 
 def read_caffe2_pickle(path: PathLike) -> Tuple[Any, Dict[str, np.ndarray]]:
-    """Read a Caffe2 ``.pkl`` (``{"blobs": {...}}`` or flat), Python 2 pickles included.
-
-    Returns the whole object the file holds (a config string, an iteration count next to
-    ``"blobs"`` included; give it to :func:`save_caffe2_pickle` as ``root`` to write the file
-    back) and its blobs: blob name -> ndarray, numpy scalars as 0-d arrays; entries of the blob
-    dictionary that are not arrays are left out of the blobs.
-
-    Raises:
-        UnsafeCheckpointError: the pickle names a global other than numpy's array/dtype/scalar
-            rebuilders or plain containers (nothing is run).
-        CheckpointError: the file is missing, not a pickle, or holds no blob dictionary.
-    """
+    """Read a Caffe2 ``.pkl`` (``{"blobs": {...}}`` or flat): the whole object (``root`` for
+    :func:`save_caffe2_pickle`) and its blobs as arrays (scalars 0-d). A pickle naming any other
+    global raises ``UnsafeCheckpointError``, nothing run."""
     name = os.fspath(path)
     try:
         with open(name, "rb") as handle:
@@ -169,8 +149,7 @@ def pickle_protocol(path: PathLike) -> int:
 
 
 def _with_blobs(root: Any, blobs: Mapping[str, np.ndarray], where: str) -> Any:
-    """A shallow copy of ``root`` whose blob dictionary holds ``blobs`` under the keys, dtypes
-    and shapes of the blobs they replace (numpy scalars stay scalars); ``root`` is unchanged."""
+    """A shallow copy of ``root`` with ``blobs`` in the dtypes and shapes of those they replace."""
     table = _blob_table(root, where)
     keys = {_blob_name(k): k for k, v in table.items() if isinstance(v, (np.ndarray, np.generic))}
     unknown = sorted(set(blobs) - set(keys))
@@ -191,8 +170,7 @@ def _with_blobs(root: Any, blobs: Mapping[str, np.ndarray], where: str) -> Any:
 
 
 class _PortablePickler(pickle._Pickler):  # the Python pickler: the C one's globals cannot be renamed
-    """A pickler that names numpy 2's ``numpy._core`` rebuilders by their ``numpy.core`` path,
-    which numpy 1.x (and numpy 2, through its compatibility module) import."""
+    """Names numpy 2's ``numpy._core`` rebuilders ``numpy.core``, which numpy 1.x imports too."""
 
     def save_global(self, obj: Any, name: Any = None) -> None:
         module = getattr(obj, "__module__", None) or ""
@@ -221,17 +199,9 @@ def dump_portable(obj: Any, handle: BinaryIO, protocol: int = DEFAULT_PROTOCOL) 
 
 def save_caffe2_pickle(blobs: Mapping[str, Any], path: Union[PathLike, BinaryIO], root: Any = None,
                        protocol: int = DEFAULT_PROTOCOL) -> None:
-    """Write ``{"blobs": {name: ndarray}}`` to ``path`` atomically (temporary file, fsync,
-    rename), or into an open binary file whose writer handles atomicity.
-
-    With ``root`` (the object :func:`read_caffe2_pickle` returned) the file keeps the layout and
-    every entry of ``root``: only the named ``blobs`` change, each cast to the dtype and shape
-    of the blob it replaces, so readers of the original file read the new one alike; pass the
-    original's ``protocol`` (:func:`pickle_protocol`) to keep it readable where it was.
-
-    ``protocol`` defaults to 2, the highest that the Python 2 Caffe2 tools can read; numpy's
-    modules are named as numpy 1.x imports them (:class:`_PortablePickler`).
-    """
+    """Write ``{"blobs": ...}`` to ``path`` atomically (or an open binary file); with ``root`` (from
+    :func:`read_caffe2_pickle`) every entry is kept, only the ``blobs`` given change, in their old
+    dtypes and shapes. ``protocol``: keep the original's (:func:`pickle_protocol`)."""
     where = getattr(path, "name", "<stream>") if hasattr(path, "write") else os.fspath(path)
     out: Dict[str, np.ndarray] = {}
     for key, value in blobs.items():

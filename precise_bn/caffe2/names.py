@@ -1,13 +1,5 @@
-"""Caffe2 blob names to and from PyTorch state-dict keys.
-
-A blob name splits into a layer and a parameter suffix (``_w`` / ``_b``, SpatialBN's ``_s`` /
-``_b`` / ``_rm`` / ``_riv``); rules map the layer part, the suffix decides the PyTorch parameter,
-and values are copied bit for bit, so Caffe2 -> PyTorch -> Caffe2 returns every mapped blob
-unchanged. A name no rule maps raises :class:`CheckpointError` listing it, unless
-``unmapped="keep"`` or ``"drop"``; what is not model state (:data:`CAFFE2_NOT_STATE`) is always
-left out and listed. Rules and options: ``docs/caffe2.md`` ("precise-bn convert"). This module
-needs numpy and torch only, never Caffe2.
-"""
+"""Caffe2 blob names to and from PyTorch state-dict keys: rules map the layer part, the suffix the
+parameter, values copied bit for bit (docs/caffe2.md, "precise-bn convert"). No Caffe2 needed."""
 from __future__ import annotations
 
 import re
@@ -79,16 +71,9 @@ UNMAPPED_POLICIES = ("error", "keep", "drop")
 
 @dataclass
 class ConversionReport:
-    """What a conversion did with every key.
-
-    ``mapped``: source key -> destination key. ``skipped``: left out on purpose (optimizer
-    state, counters, saved batch stats). ``unmatched``: no rule or suffix maps them; ``kept``:
-    those of them written under their own names (``unmapped="keep"``, also in ``mapped``), the
-    others were left out (``unmapped="drop"``). ``unexpected``: mapped, but the target has no
-    such key, left out. ``missing``: target keys nothing filled. ``shape_mismatches``: (source,
-    destination, source shape, target shape), left out. The last three are only filled when a
-    target is given.
-    """
+    """What a conversion did with every key: ``mapped`` (source -> destination), ``skipped`` (not
+    model state), ``unmatched`` (no rule; ``kept`` under their names), and against a target,
+    ``unexpected``, ``missing`` and ``shape_mismatches`` (source, destination, shapes), left out."""
 
     mapped: Dict[str, str] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
@@ -122,8 +107,7 @@ class ConversionReport:
 
 
 def map_name(name: str, rules: NameMap) -> Optional[str]:
-    """Apply ``rules`` to a layer name: the first regex rule that matches the whole name, or
-    the callable; None when nothing matches."""
+    """``rules`` applied to a layer name (first full regex match, or the callable); None if none."""
     if callable(rules):
         return rules(name)
     for pattern, replacement in rules:
@@ -142,8 +126,7 @@ def split_caffe2_name(blob: str) -> Optional[Tuple[str, str]]:
 
 
 def folded_bn_layers(blobs: Mapping[str, Any]) -> List[str]:
-    """Layers with a scale ``_s`` and bias ``_b`` but no ``_rm`` / ``_riv``: BN folded into
-    AffineChannel."""
+    """Layers with ``_s`` and ``_b`` but no ``_rm`` / ``_riv``: BN folded into AffineChannel."""
     names = set(blobs)
     layers = [blob[: -len("_s")] for blob in names if blob.endswith("_s")]
     return sorted(
@@ -153,12 +136,8 @@ def folded_bn_layers(blobs: Mapping[str, Any]) -> List[str]:
 
 
 def check_bn_stats(blobs: Mapping[str, Any], source: str = "checkpoint") -> None:
-    """Raise CheckpointError when some BN layer was folded into AffineChannel.
-
-    Such a layer computes ``y = s * x + b`` with its statistics already absorbed
-    (``s = gamma / sqrt(var + eps)``, ``b = beta - mean * s``); the checkpoint keeps no running
-    mean or variance and the layer never normalises, so there is nothing to recompute.
-    """
+    """Raise CheckpointError when some BN layer was folded into AffineChannel: its statistics are
+    absorbed into ``s`` and ``b`` and it never normalises, so there is nothing to recompute."""
     folded = folded_bn_layers(blobs)
     if folded:
         raise CheckpointError(
@@ -253,22 +232,10 @@ def caffe2_to_torch(
     source: str = "checkpoint",
     unmapped: str = "error",
 ) -> Tuple[Dict[str, torch.Tensor], ConversionReport]:
-    """Caffe2 blobs -> PyTorch state dict, bit for bit (a big-endian blob becomes native-endian).
-
-    Args:
-        blobs: blob name -> ndarray, e.g. the second item of :func:`~precise_bn.caffe2.checkpoint.read_caffe2_pickle`.
-        rules: maps Caffe2 layer names to PyTorch module names: ``[(regex, replacement), ...]``
-            (first full match wins; the replacement is a ``re`` template or a function of the
-            match) or a callable ``name -> name or None``. Default: :data:`RESNET_RULES`.
-        target: an ``nn.Module`` or state dict to check keys and shapes against; keys it lacks
-            or holds in another shape are left out and reported.
-        require_bn_stats: refuse checkpoints whose BN was folded into AffineChannel
-            (:func:`check_bn_stats`); pass False to convert them for other uses.
-        source: the checkpoint's name in error messages.
-        unmapped: blobs no rule maps: ``"error"`` raises CheckpointError naming them,
-            ``"keep"`` keeps each under its blob name, ``"drop"`` leaves them out (all listed in
-            the report).
-    """
+    """Caffe2 blobs -> PyTorch state dict, bit for bit (big-endian blobs become native-endian).
+    ``rules``: ``[(regex, replacement), ...]`` (first full match) or a callable, default
+    :data:`RESNET_RULES`; ``target``: a module or state dict whose keys and shapes are checked;
+    ``require_bn_stats``: refuse folded BN; ``unmapped``: one of :data:`UNMAPPED_POLICIES`."""
     _check_policy(unmapped)
     if require_bn_stats:
         check_bn_stats(blobs, source)
@@ -298,23 +265,9 @@ def torch_to_caffe2(
     unmapped: str = "error",
     source: str = "state dict",
 ) -> Tuple[Dict[str, np.ndarray], ConversionReport]:
-    """PyTorch state dict -> Caffe2 blobs, bit for bit (float32 stays float32).
-
-    A module with ``running_mean`` is a BN layer: weight, bias, running_mean, running_var
-    become ``_s``, ``_b``, ``_rm``, ``_riv``; other modules' weight and bias become ``_w``,
-    ``_b``; ``num_batches_tracked`` is skipped.
-
-    Args:
-        state_dict: the PyTorch state dict (or a module's ``state_dict()``).
-        rules: maps PyTorch module names to Caffe2 layer names, as in :func:`caffe2_to_torch`.
-            Default: :data:`RESNET_TORCH_RULES`.
-        base: the original Caffe2 blobs. The result starts from a copy of them, so blobs a
-            conversion never carries (momentum, learning rate, iteration) survive a round trip;
-            keys and shapes are checked against them.
-        unmapped: keys no rule maps, as in :func:`caffe2_to_torch` (``"keep"``: the key itself
-            becomes the blob name).
-        source: the state dict's name in error messages.
-    """
+    """PyTorch state dict -> Caffe2 blobs, bit for bit (BN: ``_s``, ``_b``, ``_rm``, ``_riv``; others
+    ``_w``, ``_b``). ``rules`` as in :func:`caffe2_to_torch` (default :data:`RESNET_TORCH_RULES`);
+    ``base``: the original blobs, copied first so that momentum and counters survive a round trip."""
     _check_policy(unmapped)
     rules = RESNET_TORCH_RULES if rules is None else rules
     report = ConversionReport()

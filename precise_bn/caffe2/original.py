@@ -1,12 +1,6 @@
-"""The original video-nonlocal-net tool's own modules, found where its training script loaded them.
-
-Its users write ``BatchNormHelper()`` with no argument (the settings live in the global config
-``core.config.config``) and ``create_bn_aux_model(node_id=...)`` with no model (the helper builds
-its aux net with ``models.model_builder_video.ModelBuilder``). So that those calls keep working
-once only the import line changed, the helper looks for those two modules in ``sys.modules``,
-where the training script's own imports put them. Nothing is imported by name: an unrelated
-package that happens to be called ``core`` is never loaded.
-"""
+"""The original video-nonlocal-net tool's config and model builder, found in ``sys.modules`` where
+its training script put them (so ``BatchNormHelper()`` and ``create_bn_aux_model(node_id=...)``
+keep working), never imported by name: a package merely called ``core`` is never loaded."""
 from __future__ import annotations
 
 import sys
@@ -29,12 +23,8 @@ def original_config() -> Optional[Any]:
 
 
 def build_original_aux_model(cfg: Any, node_id: int) -> Any:
-    """Build the aux model exactly as the original helper does: a forward-only, training-split
-    ``ModelBuilder`` named ``{MODEL_NAME}_bn_aux``, then ``build_model(node_id=node_id)``.
-
-    Raises ConfigError, with the line that replaces the call, when the builder or the config is
-    not loaded.
-    """
+    """The aux model as the original helper builds it (a forward-only ``ModelBuilder``); a
+    ConfigError with the replacing line when the builder or the config is not loaded."""
     builder = getattr(sys.modules.get(BUILDER_MODULE), "ModelBuilder", None)
     if builder is None or cfg is None:
         missing = BUILDER_MODULE if builder is None else CONFIG_MODULE

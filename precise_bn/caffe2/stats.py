@@ -1,13 +1,5 @@
-"""One Caffe2 SpatialBN call's statistics, measured from its input in float64.
-
-Each channel is shifted by one of its own values ``c`` (its first): ``y = x - c`` is exact in
-float64 for a float32 ``x``, a constant channel gives ``y = 0`` and a variance of exactly 0, and
-with ``d = c - mean``, ``var = (s2 - s1^2 / n) / n`` from the float64 sums of ``y`` and ``y^2``
-cancels only ``d^2``: its relative error is the sums' times ``1 + d^2 / var``, whatever the mean
-over the std. Should ``c`` lie more than :data:`FAR` stds from the mean (a value far out in the
-tail), the call is measured again around its mean rounded to float32. ``y`` is formed a chunk at
-a time in a float64 buffer that stays in the CPU's cache until it is summed (docs/caffe2.md).
-"""
+"""One Caffe2 SpatialBN call's statistics, measured from its input in float64 around one of each
+channel's own values (exact shift, cancellation bounded by :data:`FAR`; docs/caffe2.md)."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -17,30 +9,25 @@ import torch
 
 #: Float64 values of ``y`` formed at a time: the size of the buffer :func:`measure_input` needs.
 CHUNK = 1 << 15
-#: How many standard deviations from the mean a shift may lie before the call is measured again
-#: around its mean: the variance's relative error is the sums' times ``1 + FAR^2`` at most.
+#: Stds from the mean a shift may lie before the call is measured again around its mean.
 FAR = 32.0
 
 
 def measure_input(x: np.ndarray, axis: int, out: Tuple[np.ndarray, np.ndarray], buffer: np.ndarray) -> int:
-    """Write the float64 per-channel mean and biased variance of ``x`` (channels on ``axis``:
-    1 or -1) into ``out``, using ``buffer`` (``CHUNK`` float64 values, overwritten); return the
-    elements per channel (0: ``out`` untouched)."""
+    """Write the float64 per-channel mean and biased variance of ``x`` (channels on ``axis``, 1 or -1)
+    into ``out`` through ``buffer`` (``CHUNK`` values); return the elements per channel."""
     if x.size == 0:
         return 0
     channels = x.shape[axis]
-    # (samples, channels, positions), the last axis contiguous: NCHW as (N, C, H x W), NHWC as
-    # (N x H x W, C, 1).
+    # (samples, channels, positions), the last axis contiguous: NCHW as (N, C, HW), NHWC (NHW, C, 1)
     blocks = x.reshape(x.shape[0], channels, -1) if axis == 1 else x.reshape(-1, channels, 1)
     if _moments(blocks, blocks[0, :, :1].astype(np.float64), out, buffer):
-        # A first value far out in its channel's tail: measure again around the mean.
         _moments(blocks, out[0].astype(np.float32).astype(np.float64)[:, None], out, buffer)
     return x.size // channels
 
 
 def _moments(blocks: np.ndarray, shift: np.ndarray, out: Tuple[np.ndarray, np.ndarray], buffer: np.ndarray) -> bool:
-    """Mean and variance around ``shift`` into ``out``; whether the shift lay more than
-    ``FAR`` standard deviations from the mean in some channel."""
+    """Mean and variance around ``shift`` into ``out``; whether the shift lay ``FAR`` stds out."""
     s1, s2 = _sums(blocks, shift, buffer)
     count = blocks.size // blocks.shape[1]
     mean, var = out
@@ -55,9 +42,8 @@ def _moments(blocks: np.ndarray, shift: np.ndarray, out: Tuple[np.ndarray, np.nd
 
 
 def _sums(blocks: np.ndarray, shift: np.ndarray, buffer: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Per channel, the float64 sums of ``y = blocks - shift`` and of ``y^2``, over blocks of
-    ``(k, m, q)`` values that fill at most ``CHUNK``: whole samples while they fit, else some
-    channels of one sample, else part of one channel's positions."""
+    """Per channel, the float64 sums of ``y = blocks - shift`` and of ``y^2``, over blocks of at
+    most ``CHUNK``: whole samples, else some channels of one, else part of one channel."""
     samples, channels, positions = blocks.shape
     if blocks.size <= CHUNK:
         return _block_sums(blocks, torch.from_numpy(shift), buffer)

@@ -1,14 +1,5 @@
-"""Checkpoint files as users have them: read without running their code, write back only BN stats.
-
-One :class:`Format` per layout, found from the file itself: ``.safetensors``, a Caffe2 /
-Detectron ``.pkl`` blob dictionary, anything ``torch.save`` wrote (a bare state dict, or one
-under ``state_dict``, ``model``, ``model_state`` or a key the user names). Users reload the
-result with their own code, so the whole loaded object is written back with the same
-serializer, only the measured layers' ``running_mean`` / ``running_var`` copied in place into
-the loaded tensors (dtype, shape and storage sharing kept), and a ``precise_bn`` provenance
-entry added only where no loader trips on it (never inside a bare state dict). The layouts and
-guarantees: ``docs/cli.md`` ("Checkpoints").
-"""
+"""Checkpoint files as users have them (one :class:`Format` per layout): read without running their
+code, written back whole with the same serializer, only the BN stats changed (docs/cli.md)."""
 from __future__ import annotations
 
 import json
@@ -27,11 +18,7 @@ from .state import PROVENANCE_KEY, Checkpoint, locate_state_dict
 logger = logging.getLogger("precise_bn")
 
 class Format:
-    """One checkpoint file format: how a file is recognised, read, and written back.
-
-    To add a format, subclass this and list an instance in :data:`FORMATS`: nothing else
-    dispatches on formats.
-    """
+    """How a file is recognised, read and written back; a new one is listed in :data:`FORMATS`."""
 
     name = ""
     extensions: Tuple[str, ...] = ()
@@ -39,8 +26,7 @@ class Format:
     nested = False
 
     def claims(self, path: str, head: Optional[bytes]) -> bool:
-        """Whether ``path`` is in this format, from its first bytes ``head`` when it exists
-        (None for an output not yet written) and its name."""
+        """Whether ``path`` is in this format, from its name and first bytes (``head``, None if new)."""
         return path.lower().endswith(self.extensions)
 
     def load(self, path: str, key: Optional[str], trust: bool, rules: Any) -> Checkpoint:
@@ -65,8 +51,7 @@ class Format:
 
 
 class SafetensorsFormat(Format):
-    """A flat name -> tensor table plus a string metadata header (recognised by its name, or
-    by its first eight bytes, the header's length, followed by the header's opening brace)."""
+    """A name -> tensor table with a metadata header (by name, or its length and ``{`` first)."""
 
     name, extensions = "safetensors", (".safetensors",)
 
@@ -104,8 +89,7 @@ class SafetensorsFormat(Format):
 
 
 class Caffe2Format(Format):
-    """A Caffe2 / Detectron pickle of numpy blobs: named ``.pkl``/``.pickle`` and not a
-    ``torch.save`` file (legacy ones are pickles too, and are sometimes named ``.pkl``)."""
+    """A Caffe2 / Detectron pickle of numpy blobs: ``.pkl``/``.pickle``, not a legacy ``torch.save``."""
 
     name, extensions = "caffe2", (".pkl", ".pickle")
 
@@ -138,8 +122,7 @@ class Caffe2Format(Format):
 
 
 class TorchFormat(Format):
-    """Anything ``torch.save`` wrote (a zip archive, or a legacy pickle); the format of every
-    name no other format claims."""
+    """Anything ``torch.save`` wrote (zip or legacy pickle), and every file no other format claims."""
 
     name, nested = "torch", True
 
@@ -166,8 +149,7 @@ class TorchFormat(Format):
         return ckpt.root.get(PROVENANCE_KEY) if ckpt.where and isinstance(ckpt.root, Mapping) else None
 
     def set_provenance(self, ckpt: Checkpoint, info: Mapping[str, Any]) -> bool:
-        """Next to the state dict in a dict checkpoint; never inside a bare state dict, which
-        ``load_state_dict(strict=True)`` would then reject."""
+        """Next to the state dict, never inside a bare one (``load_state_dict(strict=True)`` refuses)."""
         if not (ckpt.where and isinstance(ckpt.root, dict)):
             return False
         ckpt.root[PROVENANCE_KEY] = dict(info)
@@ -202,19 +184,8 @@ def check_key(path: str, fmt: Format, key: Optional[str]) -> None:
 
 
 def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False, rules: Any = None) -> Checkpoint:
-    """Read ``path`` and locate its state dict (``key``: its place, ``a/b`` for nested dicts).
-
-    Never runs code from the file unless ``trust``: PyTorch files go through
-    ``torch.load(weights_only=True)``, and on a torch without it loading is refused; Caffe2
-    pickles through a loader that builds numpy arrays only. ``rules`` maps Caffe2 layer names
-    to module names (see :func:`precise_bn.caffe2.names.caffe2_to_torch`; default: the
-    model-zoo ResNet names).
-
-    Raises:
-        CheckpointError: the file is missing or unreadable, is in no known format, or holds no
-            state dict where looked.
-        UnsafeCheckpointError: the file needs code to load and ``trust`` is False.
-    """
+    """Read ``path`` and locate its state dict (``key``: its place, ``a/b`` nested), running no code
+    from it unless ``trust`` (else ``UnsafeCheckpointError``); ``rules`` map Caffe2 names."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CheckpointError("{}: is a folder, not a checkpoint file (a sharded or distributed checkpoint? "
@@ -229,20 +200,15 @@ def load_checkpoint(path: str, *, key: Optional[str] = None, trust: bool = False
 
 
 def save_checkpoint(ckpt: Checkpoint, output: str) -> None:
-    """Write ``ckpt`` (with the stats :func:`apply_bn_stats` put in) to ``output``, atomically.
-
-    The same serializer as the input's (zip or legacy ``torch.save``, safetensors with its
-    metadata, Caffe2 pickle). ``output`` is one :func:`check_output` accepted before any work.
-    """
+    """Write ``ckpt`` to ``output`` (one :func:`check_output` accepted), atomically, with the
+    input's serializer."""
     write_file(output, format_named(ckpt.format).writer(ckpt))
     logger.info("wrote %s (%d BatchNorm tensors updated)", output, len(ckpt.updated))
 
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str, fmt: str, rules: Any = None,
                     unmapped: str = "error") -> Any:
-    """Write a bare state dict as ``fmt`` (a :data:`FORMATS` name; for ``caffe2``, with the name
-    ``rules`` and ``unmapped`` policy of :func:`precise_bn.caffe2.names.torch_to_caffe2`),
-    atomically. Returns the name conversion's report for ``caffe2``, else None."""
+    """Write a bare state dict as ``fmt`` atomically; for ``caffe2``, return the names' report."""
     writer, conversion = format_named(fmt).state_dict_writer(state_dict, path, rules, unmapped)
     write_file(path, writer)
     return conversion

@@ -1,13 +1,5 @@
-"""Where a command may write: every output resolved and checked before any work starts.
-
-A pass can take hours and writes at the end, so an output that would destroy an input or
-another output, or that cannot be written at all, is refused before the first batch, with one
-line naming the option and the fix (:func:`check_paths`): an input or another output (by name,
-link or inode), a missing or unwritable folder, a name too long, an existing file without
-``overwrite``, a file with other hard links without ``break_hardlinks``, one owned by another
-user. Temporary files left by a killed write are reported, not removed: another process may
-still be writing. The rules: ``docs/cli.md`` ("Outputs").
-"""
+"""Where a command may write: a pass writes at its end, hours in, so every output is resolved and
+checked before the first batch, a refusal naming the option and the fix (docs/cli.md, "Outputs")."""
 from __future__ import annotations
 
 import logging
@@ -89,12 +81,8 @@ def _report_stale(label: str, path: str) -> None:
 
 def check_paths(inputs: Sequence[Named], outputs: Sequence[Named], *, in_place: bool = False,
                 break_hardlinks: bool = False, overwrite: bool = False) -> List[str]:
-    """Check ``outputs`` against ``inputs`` and each other (see the module docstring); return
-    each output resolved through symbolic links, the file that will really be written.
-
-    ``in_place``: the first output is meant to be the first input (the checkpoint), which it
-    replaces without ``overwrite``.
-    """
+    """Check ``outputs`` against ``inputs`` and each other; return each resolved through links.
+    ``in_place``: the first output replaces the first input without ``overwrite``."""
     resolved = [os.path.realpath(path) for _, path in outputs]
     for i, (label, path) in enumerate(outputs):
         for j, (in_label, source) in enumerate(inputs):
@@ -119,9 +107,6 @@ def check_paths(inputs: Sequence[Named], outputs: Sequence[Named], *, in_place: 
 
 def check_output(source: str, output: str, in_place: bool, *, break_hardlinks: bool = False,
                  overwrite: bool = False) -> str:
-    """Check before any work that ``output`` may be written (see
-    :func:`check_paths`): never the input ``source`` unless
-    ``in_place``, which writes nothing else. Returns the file that will be written (symbolic
-    links resolved)."""
+    """:func:`check_paths` for one ``output`` and its ``source``; the file that will be written."""
     return check_paths([("the input", source)], [("the output", output)], in_place=in_place,
                        break_hardlinks=break_hardlinks, overwrite=overwrite)[0]

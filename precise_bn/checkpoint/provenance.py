@@ -1,6 +1,4 @@
-"""The ``precise_bn`` entry a recompute leaves in the checkpoint it writes: how the statistics
-were measured, by what, and when, for whoever loads the file later. Each format decides where
-the entry fits (see :class:`precise_bn.checkpoint.formats.Format`)."""
+"""The ``precise_bn`` entry a recompute leaves in its checkpoint: how, by what and when."""
 from __future__ import annotations
 
 import datetime
@@ -19,8 +17,7 @@ from .state import Checkpoint
 logger = logging.getLogger("precise_bn")
 
 def _now() -> datetime.datetime:
-    """The time to record: ``SOURCE_DATE_EPOCH`` when set (reproducible builds' convention, so
-    that two identical runs write identical bytes), else the current time, in UTC."""
+    """``SOURCE_DATE_EPOCH`` when set (identical runs, identical bytes), else now, in UTC."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch is None:
         return datetime.datetime.now(datetime.timezone.utc)
@@ -45,8 +42,7 @@ def provenance(report: BNReport) -> Dict[str, Any]:
 
 
 def provenance_of(ckpt: Checkpoint) -> Any:
-    """The ``precise_bn`` entry a previous recompute left in ``ckpt``, as stored (None when
-    absent); files come from anywhere, so nothing is assumed of it."""
+    """The ``precise_bn`` entry a previous recompute left in ``ckpt``, as stored, or None."""
     return format_named(ckpt.format).provenance(ckpt)
 
 

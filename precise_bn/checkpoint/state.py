@@ -1,11 +1,5 @@
-"""State dicts inside checkpoints: where the model's tensors sit, matching them to a model,
-and putting new BN statistics in; no file I/O here (see :mod:`precise_bn.checkpoint.formats`).
-
-Inside the state dict the model's keys may sit under a module prefix (``module.`` from DDP,
-``model.`` from a LightningModule attribute, or both); :func:`match_model` finds it by matching
-the model's own keys, so a Lightning checkpoint with a loss module or an EMA copy next to the
-model still works.
-"""
+"""State dicts inside checkpoints: where the model's tensors sit (under a wrapper's prefix, found by
+matching the model's own keys), matching them to a model, putting new BN statistics in; no I/O."""
 from __future__ import annotations
 
 import collections
@@ -27,13 +21,8 @@ StateDict = Dict[str, torch.Tensor]
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: the whole object as read, and where its state dict sits in it.
-
-    ``root`` is what the file holds (for Caffe2, the whole unpickled object); ``state_dict`` is the
-    name -> tensor table the model is matched against (for Caffe2, the blobs converted to
-    PyTorch names, and ``source_names`` maps each back to its blob). ``where`` is the path of
-    keys from ``root`` to ``state_dict``, empty when the file is a bare state dict.
-    """
+    """A loaded checkpoint: ``root`` as read, its ``state_dict`` at the key path ``where`` (for Caffe2,
+    the blobs under PyTorch names, ``source_names`` mapping them back)."""
 
     path: str
     format: str
@@ -67,12 +56,8 @@ def _keys_of(node: Any) -> str:
 
 
 def locate_state_dict(root: Any, path: str, key: Optional[str] = None) -> Tuple[Tuple[str, ...], StateDict]:
-    """Find the state dict in a loaded ``torch.save`` object; return its key path and itself.
-
-    With ``key`` (``a/b`` for nested dicts) exactly there; otherwise ``root`` itself if it is a
-    mapping of names to tensors, else the one of ``state_dict``, ``model``, ``model_state``
-    that is. Errors name the file and list the keys that are there.
-    """
+    """The key path and state dict of a loaded ``torch.save`` object: at ``key`` (``a/b``), else
+    ``root`` or its ``state_dict``, ``model`` or ``model_state``; errors list the keys there."""
     if key is not None:
         node, where = root, []
         for part in key.split("/"):
@@ -139,8 +124,7 @@ def _node(root: Any, key: str) -> Any:
 
 
 def prefix_counts(keys: Iterable[str], targets: Iterable[str]) -> "collections.Counter[str]":
-    """For each module prefix ``p`` (``""`` or ending in ``.``), how many ``keys`` are ``p + t``
-    for some ``t`` in ``targets``: the prefix under which a model sits in a larger state dict."""
+    """For each module prefix ``p``, how many ``keys`` are ``p + t`` for a ``t`` of ``targets``."""
     wanted = set(targets)
     counts: "collections.Counter[str]" = collections.Counter()
     for key in keys:
@@ -176,14 +160,8 @@ def _sample(names: List[str], limit: int = 12) -> str:
 
 
 def match_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefix: Optional[str] = None) -> str:
-    """The module prefix under which ``model_state``'s keys sit in the checkpoint.
-
-    Found by matching (``prefix=None``): the one prefix under which every model key exists.
-    Then checked strictly, like ``load_state_dict(strict=True)`` restricted to that prefix:
-    any model key missing, any checkpoint key under the prefix the model lacks, any shape that
-    differs is listed in the error. Only BN's ``num_batches_tracked`` may be absent (Caffe2 and
-    pre-0.4.1 checkpoints have none; it plays no part in the statistics).
-    """
+    """The prefix under which ``model_state``'s keys sit (found when None), checked as
+    ``load_state_dict(strict=True)`` would, but for an absent ``num_batches_tracked``."""
     if prefix is None:
         required = [k for k in model_state if not _optional(k)]
         counts = prefix_counts(ckpt.state_dict, required)
@@ -228,9 +206,7 @@ def _prefix_fixes(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], pre
 
 
 def _head_fixes(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor], prefix: str) -> List[Fix]:
-    """``num_classes`` when the only tensors whose shapes differ are the model's last module's,
-    and only in their first dimension, alike: a classifier head fine-tuned for another number
-    of classes."""
+    """``num_classes`` when only the last module's first dimension differs: a fine-tuned head."""
     differ = [(tuple(ckpt.state_dict[prefix + k].shape), tuple(v.shape), k) for k, v in model_state.items()
               if prefix + k in ckpt.state_dict and ckpt.state_dict[prefix + k].shape != v.shape]
     last = [k for k in model_state if not _optional(k)][-1].rpartition(".")[0]

@@ -27,7 +27,7 @@ import torch
 
 from .. import distributed
 from ..data import input_key_forward
-from ..options import ForwardFn, Options
+from ..options import RETIRED, ForwardFn, Options
 from ..signals import Terminated, relayed
 from . import convert, inspect_cmd
 from .check import EXIT_STATUS, check_checkpoint, verdict_lines
@@ -62,7 +62,7 @@ def _job_arguments(args: argparse.Namespace) -> Dict[str, Any]:
     """What ``recompute`` and ``check`` both pass to their job: how to read the checkpoint, the
     model and the data, the options of the pass, and the rules for output files."""
     options: Dict[str, Any] = {"num_batches": args.num_batches, "num_samples": args.num_samples,
-                               "device": _rank_device(args.device), "exact": args.exact, "rtol": args.rtol,
+                               "device": _rank_device(args.device), "rtol": args.rtol,
                                "forward_fn": _forward_fn(args), "timeout": args.timeout,
                                "progress": False if args.quiet else None, "model_kwargs": args.model_kwargs,
                                "data_kwargs": args.data_kwargs, "batch_size": args.batch_size, "seed": args.seed,
@@ -71,6 +71,8 @@ def _job_arguments(args: argparse.Namespace) -> Dict[str, Any]:
                                "break_hardlinks": args.break_hardlinks, "overwrite": args.overwrite}
     if args.min_batches is not None:
         options["min_batches"] = args.min_batches
+    if args.exact:
+        logger.warning("precise-bn: --exact is deprecated and ignored: %s; drop it", RETIRED["exact"])
     return options
 
 

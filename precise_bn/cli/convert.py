@@ -1,10 +1,5 @@
-"""``precise-bn convert``: Caffe2 ``.pkl`` to and from PyTorch ``.pt`` / ``.safetensors``.
-
-A conversion never leaves a tensor out without being asked: a name the rules do not map fails
-the command (exit 1, names listed) unless ``--keep-unmapped`` (written under its own name) or
-``--drop-unmapped`` is given; :func:`convert_checkpoint` is the same in Python. Blobs that are
-not model state by name (optimizer state, counters, saved batch stats) are left out and listed.
-"""
+"""``precise-bn convert``: Caffe2 ``.pkl`` to and from PyTorch ``.pt`` / ``.safetensors``; a name
+the rules do not map fails unless kept or dropped on request (docs/caffe2.md)."""
 from __future__ import annotations
 
 import argparse
@@ -24,22 +19,10 @@ from .inspect_cmd import rules_of
 def convert_checkpoint(input: str, output: str, *, rules: Any = None, unmapped: str = "error",
                        strip_prefix: str = "", key: Optional[str] = None, trust: bool = False,
                        break_hardlinks: bool = False, overwrite: bool = False) -> ConversionReport:
-    """Convert ``input`` to ``output`` (formats from the names: ``.pkl`` Caffe2, ``.safetensors``,
-    else ``torch.save``), atomically, and return what became of every tensor.
-
-    Args:
-        rules: Caffe2 <-> module name rules (see :func:`precise_bn.caffe2.names.caffe2_to_torch`);
-            default: the model-zoo ResNet names.
-        unmapped: names the rules do not map: ``"error"`` raises CheckpointError listing them
-            before anything is written, ``"keep"`` writes them under their own names, ``"drop"``
-            leaves them out.
-        strip_prefix: removed from every PyTorch key (all must start with it).
-        key, trust: where the state dict sits in a ``torch.save`` file, and whether it may run
-            code while loading (see :func:`precise_bn.checkpoint.formats.load_checkpoint`).
-        overwrite: replace an ``output`` that exists; refused by default.
-        break_hardlinks: replace an ``output`` that has other hard links (they keep the old
-            content); refused by default.
-    """
+    """Convert ``input`` to ``output`` (formats from the suffixes), atomically; return what became of
+    every tensor. ``rules`` map names (default: the model-zoo ResNet's); ``unmapped`` is
+    ``"error"`` (raise before writing), ``"keep"`` or ``"drop"``; ``strip_prefix`` leaves every
+    PyTorch key; the other arguments are ``recompute_checkpoint``'s."""
     input, output = os.fspath(input), os.fspath(output)
     check_output(input, output, in_place=False, break_hardlinks=break_hardlinks, overwrite=overwrite)
     fmt_in, fmt_out = detect_format(input), detect_format(output)

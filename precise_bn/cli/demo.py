@@ -1,19 +1,5 @@
-"""``precise-bn demo``: the whole job on a real, small data set shipped with the package, in seconds on a CPU.
-
-It trains the small BatchNorm CNN of :mod:`precise_bn.digits` briefly on its bundled 8x8 handwritten
-digits, saves a checkpoint, recalibrates it through :func:`precise_bn.cli.job.recompute_checkpoint`
-(the code path of ``precise-bn recompute``, on files in a temporary folder), and evaluates both
-checkpoints on the held-out digits. It needs torch alone.
-
-The network runs in float64 throughout, so that its printed figures are the same on any CPU:
-docs/cli.md gives the measured margin.
-
-What it measures: a BN layer's running stats after training are an exponential moving average
-(momentum 0.1, so mostly the last ~10 batches) of batch stats taken while the weights were
-still moving; the recomputed ones are the population stats of the final weights over the
-whole training set. Whether that changes held-out accuracy depends on how fast the weights
-moved at the end: the demo prints what it finds, whichever way it goes.
-"""
+"""``precise-bn demo``: train the digits CNN, save it, recalibrate the file with ``recompute``'s
+code, evaluate both. In float64 throughout, so any CPU prints the same figures (docs/cli.md)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,13 +1,6 @@
-"""Every failure of the command as one line that says what failed, where, and what to do.
-
-The package's own errors already name the file, key, layer or argument and the fix. Anything
-else is raised by code the command runs for the user: the model factory and the model's
-forward, the data factory and its iterator, a ``--forward-fn``. Those are re-raised as
-:class:`UserCodeError` naming which of them raised, with the original type and message and the
-place it was raised; when that place is inside a library (torch's BatchNorm refusing a batch
-of one sample, say), also the last line of the user's own code that led there. The original
-stays attached as ``__cause__``, and ``--debug`` shows the whole traceback.
-"""
+"""Every failure of the command as one line: what failed, where, what to do. An error from the
+user's code (model, data, ``--forward-fn``) becomes a :class:`UserCodeError` naming which raised,
+where, and the user's last line before a library (``--debug``: the whole traceback)."""
 from __future__ import annotations
 
 import contextlib
@@ -108,8 +101,7 @@ def blamed_on(what: str) -> Iterator[None]:
 
 
 class BlamedBatches:
-    """``data``'s batches; an exception raised while reading one is blamed on ``what``, with the
-    batch's number. ``read`` counts the batches handed out so far."""
+    """``data``'s batches; an exception reading one is blamed on ``what``, with its number."""
 
     def __init__(self, data: Iterable[Any], what: str):
         self.data, self.what, self.read = data, what, 0

@@ -1,12 +1,6 @@
-"""Recompute the BN statistics of a checkpoint file: the job behind ``precise-bn recompute``.
-
-In order: every output is checked (:mod:`precise_bn.checkpoint.paths`), the checkpoint is
-loaded and matched to the model, the data are opened; then the pass; then rank 0 writes the
-checkpoint and the report, each atomically. Nothing is written unless the pass succeeded, and
-nothing the checks refused is ever written. Under ``torch.distributed`` a failure of any rank
-during the setup makes every rank fail at its end (a round of
-:class:`~precise_bn.distributed.Ranks`), so none waits for the others until the timeout.
-"""
+"""The job behind ``precise-bn recompute`` and ``check``: outputs checked, checkpoint loaded and
+matched, data opened (a failure on any rank fails all at the end of this setup), the pass,
+then rank 0 writes checkpoint and report atomically."""
 from __future__ import annotations
 
 import contextlib
@@ -82,9 +76,7 @@ def _load_model(ckpt: Checkpoint, model: Union[str, nn.Module], model_kwargs: Op
 
 def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Module],
                  model_kwargs: Mapping[str, Any], prefix: Optional[str]) -> List[Fix]:
-    """``exc``'s fixes (a ``model_kwargs`` one keeping the kwargs given); when they do not
-    already fix it, up to three other models of ``model``'s family whose keys and shapes match
-    the checkpoint, perhaps once given the checkpoint's number of classes."""
+    """``exc``'s fixes, else up to three models of ``model``'s family that fit the checkpoint."""
     fixes = [Fix(f.option, dict(model_kwargs, **f.value), f.why) if f.option == "model_kwargs" else f
              for f in exc.fixes]
     search = isinstance(model, str) and not fixes
@@ -110,9 +102,8 @@ def _model_fixes(exc: CheckpointError, ckpt: Checkpoint, model: Union[str, nn.Mo
 
 @dataclass
 class Job:
-    """A checkpoint matched to its model, with the data to read: what ``recompute`` and ``check``
-    measure. ``targets`` are the checked output files (rank 0 only); ``label`` names the model
-    (and ``forward_fn``) in a failure's message."""
+    """A checkpoint matched to its model, the data to read, the checked ``targets`` (rank 0), and
+    the ``label`` naming the model in a failure's message."""
 
     ckpt: Checkpoint
     net: nn.Module
@@ -144,10 +135,8 @@ def open_job(
     caffe2_rules: Any = None,
     **options: Any,
 ) -> Job:
-    """Everything before the pass: the specs' forms checked, then ``outputs`` (``(flag, path)``)
-    on rank 0, the checkpoint loaded and matched to the model, the data opened (see
-    :func:`recompute_checkpoint` for the arguments; ``where`` names the caller in an error). A
-    failure on any rank fails every rank at the end of the setup."""
+    """Everything before the pass, for :func:`recompute_checkpoint`'s arguments (``where`` names the
+    caller in an error)."""
     opts = Options.build(where, **options)
     if opts.num_batches is None and opts.num_samples is None and opts.rtol is None:
         opts = opts.replace(num_batches=DEFAULT_ITERS)
@@ -210,19 +199,9 @@ def recompute_checkpoint(
     **options: Any,
 ) -> Tuple[BNReport, str]:
     """Recalibrate the BN stats of a checkpoint file; return the report and the file written.
-
-    ``model``/``data`` are specs (see :mod:`precise_bn.cli.specs` and
-    :mod:`precise_bn.cli.data_specs`; ``seed`` and ``augment`` apply to the data) or a module
-    and an iterable. ``caffe2_rules`` map a Caffe2 ``.pkl``'s layer names to the model's module
-    names; the new stats go back into the very blobs they were read from. ``**options`` are
-    those of :func:`precise_bn.recompute`; without a budget (``num_batches``, ``num_samples``,
-    ``rtol``), 200 batches as in fvcore. ``output`` defaults to :func:`default_output`;
-    ``in_place`` replaces the input (through a symbolic link, its target). Every output is
-    checked before any work (see :mod:`precise_bn.checkpoint.paths`): an existing file is
-    replaced only with ``overwrite`` (``in_place`` replaces the input), one with other hard
-    links only with ``break_hardlinks`` too. Only BN ``running_mean``/``running_var``
-    change in the file written (see :mod:`precise_bn.checkpoint.formats`).
-    """
+    ``model``/``data``: specs (the command's ``--model``, ``--data``) or a module and an iterable;
+    ``**options``: :func:`precise_bn.recompute`'s (no budget: 200 batches, as fvcore). Outputs
+    are checked first, as the command's flags of the same names (docs/cli.md)."""
     if in_place and output is not None:
         raise ConfigError("recompute: give output or in_place, not both")
     out = checkpoint if in_place else (output or default_output(checkpoint))
@@ -251,16 +230,14 @@ def _write(job: Job, report: BNReport, out: str, report_path: Optional[str]) -> 
 
 def _check_outputs(checkpoint: str, data: Union[str, Iterable[Any]], outputs: Sequence[Tuple[str, str]],
                    in_place: bool, break_hardlinks: bool, overwrite: bool) -> List[str]:
-    """The files to write, checked against the inputs (see
-    :func:`~precise_bn.checkpoint.paths.check_paths`)."""
+    """The files to write, checked against the inputs."""
     read = data_files(data) if isinstance(data, str) else []
     inputs = [("the checkpoint", checkpoint)] + [("--data", f) for f in read]
     return check_paths(inputs, list(outputs), in_place=in_place, break_hardlinks=break_hardlinks, overwrite=overwrite)
 
 
 def write_report(path: str, report: BNReport, ckpt: Checkpoint, output: str, prefix: str) -> None:
-    """The ``--report`` JSON: the files, then :meth:`BNReport.to_dict` (per-layer drift, with
-    the definition of every number under ``definitions``)."""
+    """The ``--report`` JSON: the files, then :meth:`BNReport.to_dict`."""
     body = {"checkpoint": ckpt.path, "output": output, "format": ckpt.format, "prefix": prefix}
     body.update(report.to_dict())
     text = json.dumps(body, indent=2).encode("utf-8")

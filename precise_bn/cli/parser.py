@@ -126,7 +126,7 @@ def _add_pass(rec: argparse.ArgumentParser) -> None:
                         "given)".format(DEFAULT_ITERS))
     budget.add_argument("--num-samples", type=_positive_int, help=option_help("num_samples"))
     rec.add_argument("--device", help=option_help("device") + ": cpu, cuda, cuda:1, ... (default cpu)")
-    rec.add_argument("--exact", action="store_true", help=option_help("exact"))
+    rec.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)  # retired: warns, changes nothing
     rec.add_argument("--rtol", type=_fraction, help=option_help("rtol"))
     rec.add_argument("--min-batches", type=_positive_int, help=option_help("min_batches"))
     rec.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",

@@ -1,15 +1,5 @@
-"""What ``--model`` (and ``--forward-fn``, ``--caffe2-rules``) name, turned into Python objects.
-
-Model specs:
-
-* ``package.module:callable`` (or ``path/to/file.py:callable``): called with ``--model-kwargs``;
-  must return an ``nn.Module``. The current folder is importable, as with ``python -m``.
-* ``torchvision:NAME``: any name of ``torchvision.models.list_models()`` (classification,
-  video, segmentation, ...), built without weights since the checkpoint provides them.
-* ``timm:NAME``: ``timm.create_model(NAME, pretrained=False)``.
-
-A bare name (``resnet18``) is refused with the spec that most likely was meant.
-"""
+"""What ``--model`` (``package.module:callable``, ``file.py:callable``, ``torchvision:NAME``,
+``timm:NAME``), ``--forward-fn`` and ``--caffe2-rules`` name, as Python objects (docs/cli.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +37,7 @@ def is_object_spec(spec: str) -> bool:
 
 
 def check_object_spec(spec: str, option: str) -> None:
-    """Refuse a ``spec`` not of the form ``package.module:name`` before anything runs (``option``
-    names the flag): a usage error, told apart from a module that fails to import."""
+    """Refuse a ``spec`` not of the form ``package.module:name`` (a usage error, named by ``option``)."""
     if not is_object_spec(spec):
         raise ConfigError("{} {!r}: expected 'package.module:name'".format(option, spec))
 
@@ -122,8 +111,7 @@ def _bare_model_name(spec: str) -> ConfigError:
 
 
 def check_model_spec(spec: str) -> None:
-    """Refuse a ``--model`` spec of none of the forms (see the module docstring), with the spec
-    most likely meant, before anything is built or read: a usage error."""
+    """Refuse a ``--model`` spec of none of the forms, with the one most likely meant."""
     kind, _, name = spec.partition(":")
     if not name or (kind not in ("torchvision", "timm") and not is_object_spec(spec)):
         raise _bare_model_name(spec)
@@ -172,9 +160,8 @@ def _meta_device() -> Any:
 
 
 def same_family(spec: str) -> List[str]:
-    """The other torchvision or timm model specs whose names start like ``spec``'s (``resnet``
-    for ``torchvision:resnet50``): the candidates when a checkpoint does not fit the model
-    ``spec`` names, the closest names first. None for a ``package.module:callable``."""
+    """Other torchvision or timm specs whose names start like ``spec``'s, closest first (None for a
+    callable): the candidates when a checkpoint does not fit."""
     kind, _, name = spec.partition(":")
     stem = re.match(r"[a-z]*", name)
     if kind not in ("torchvision", "timm") or not stem or not stem.group():

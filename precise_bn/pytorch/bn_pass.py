@@ -195,6 +195,12 @@ class BNPass:
         size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.compiled.Kernels.expect`)."""
         self.planned = batches
 
+    def prepare(self, batches: Optional[int]) -> List[Stats]:
+        """:meth:`plan`, :meth:`attach`, then :meth:`old_stats`: the driver's one call before the batches."""
+        self.plan(batches)
+        self.attach()
+        return self.old_stats()
+
     def collect(self) -> List[PopulationStats]:
         """Every layer's stats, with the calls still pending in the capture blocks merged."""
         return flush(self.captures)
