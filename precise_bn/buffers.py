@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .aoti import dtype_name
 from .errors import NonFiniteStatsError, warn
 
 Stats = Tuple[torch.Tensor, torch.Tensor]
@@ -45,7 +46,7 @@ def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes:
             raise NonFiniteStatsError(
                 "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
                 "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
-                    name, largest, _short(dtype), info.max))
+                    name, largest, dtype_name(dtype), info.max))
         if not bool(((magnitudes != 0) & (magnitudes < info.tiny)).any()):
             continue
         for what, values in zip(("mean", "variance"), result):
@@ -55,9 +56,6 @@ def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes:
                 first = values[channels[0]:channels[0] + 1]
                 warn("BatchNorm layer {!r}: the {} of {} channel(s) (first: channel {}, {:.3g}) is below the "
                      "smallest normal {} ({:.3g}) and is written as {:.3g}, keeping no relative precision".format(
-                         name, what, len(channels), channels[0], float(first[0]), _short(dtype), info.tiny,
+                         name, what, len(channels), channels[0], float(first[0]), dtype_name(dtype), info.tiny,
                          float(round_to(first, dtype)[0])))
 
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
