@@ -26,8 +26,7 @@ from . import package_cache as cache
 from ._version import __version__
 from .signals import critical, relayed
 
-#: What a compile imports, imported with signals deferred: a module left half-imported by a
-#: Ctrl-C breaks torch for the rest of the process.
+#: What a compile imports, with signals deferred: a module half-imported by a Ctrl-C breaks torch.
 COMPILER_MODULES = ("torch.export", "torch._inductor", "torch._dynamo", "torch._inductor.compile_fx",
                     "torch._inductor.codecache", "torch._inductor.cpu_vec_isa", "torch._inductor.package",
                     "torch._inductor.graph", "torch._inductor.codegen.cpp")
@@ -93,8 +92,7 @@ def package_path(key: Key, device: torch.device) -> str:
 
 
 def _aoti() -> Any:
-    """torch's AOTInductor entry points, or None where this torch lacks them (before 2.6);
-    imported with signals deferred."""
+    """torch's AOTInductor entry points, or None where this torch lacks them (before 2.6)."""
     try:
         with relayed(), critical():
             for name in COMPILER_MODULES:
@@ -120,9 +118,8 @@ def _require_aoti() -> Any:
 
 @contextlib.contextmanager
 def _quiet_torch() -> Iterator[None]:
-    """torch's own loggers at ERROR while compiling or loading: their notes (no CUDA runtime on
-    a CPU machine, an instruction-set label) describe torch's set-up, not the user's run. And
-    no progress-bar monitor thread (torch's export makes bars) outliving the call."""
+    """torch's own loggers at ERROR (their notes describe torch's set-up, not the user's run),
+    and no monitor thread of the progress bars torch's export makes outliving the call."""
     loggers = [logging.getLogger(name) for name in ("torch", "torch._inductor", "torch.export",
                                                     "torch.utils.cpp_extension")]
     levels = [log.level for log in loggers]

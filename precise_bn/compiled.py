@@ -1,14 +1,8 @@
-"""Functions of tensors compiled ahead of use by AOTInductor into packages on disk, and called
-with no Python wrapper: the float64 sums of each BN call (``moments``).
-
-A package is made on the caller's thread once the eager seconds its program has cost this
-machine (kept in the cache, :mod:`~precise_bn.package_cache`) reach about its compile time (at
-once with ``PRECISE_BN_COMPILE=always``; ``never``: never), named by what made it (torch,
-precise-bn, the program's source, the processor), checked against its record before it is
-loaded, and loaded by the next process in milliseconds. Until then, and where none can be made
-(torch before 2.6, no C++ compiler, a cache we cannot write), the program's eager form runs:
-the same numbers within float64 rounding, slower. Nothing runs in the background and nothing
-waits at exit. Why: docs/numerics.md ("What the measurement costs", "The package cache").
+"""When the float64 sums (``moments``) run compiled: a package is loaded at first sight once
+its record vouches for it, and made on the caller's thread once the eager seconds its program
+has cost this machine reach about its compile time (rent or buy; ``PRECISE_BN_COMPILE=always``:
+at once, ``never``: never). Until then, and where none can be made, the eager form runs: the
+same numbers within float64 rounding. Why: docs/numerics.md ("The package cache").
 """
 from __future__ import annotations
 
@@ -49,15 +43,9 @@ def compile_cost(folder: str, device_type: str) -> float:
 
 class Kernels:
     """The process's compiled programs; :meth:`run` calls one where it is loaded, its eager
-    form before.
-
-    A package on disk is loaded the first time its key is seen, once its record vouches for
-    it. A missing one is compiled on the caller's thread: at once with ``always``, or under
-    ``auto`` when :meth:`expect` finds that the eager seconds its program has cost this machine
-    (this pass's planned work included) reach its compile time: rent or buy, so no sequence of
-    passes pays more than about twice the better fixed choice. One process compiles a package
-    at a time; the others run eager meanwhile and load it once it is there. Each compile says
-    so in one line; a failure says why, once, and the eager forms go on (the same numbers)."""
+    form before. :meth:`expect` charges each pass to the cache's ledger and compiles what has
+    paid for itself; one process compiles a package at a time, the others stay eager and load
+    it once it is there. A compile says so in one line; a failure says why, once."""
 
     def __init__(self) -> None:
         self.ready: Dict[Where, Run] = {}

@@ -1,15 +1,9 @@
-"""One BN call's float64 mean and biased variance, measured from its input in one read.
-
-A call's input ``x`` (channels on dim 1, any layout) is measured around a per-channel shift ``c``
-near its mean: ``y = x - c`` in float64, ``mean = c + sum(y) / n``, ``var = (sum(y^2) -
-sum(y)^2 / n) / n``. Nothing cancels while ``c`` is within a few stds of the mean; on the CPU a
-call whose shift was further is measured again around its own mean, so the result is exact
-whatever the shift (docs/numerics.md derives the bound). The sums run as one fused loop, a
-:class:`~precise_bn.aoti.Program` per layout that AOTInductor compiles into a package on
-disk (:mod:`precise_bn.compiled`); until it is there, and wherever none can be made, eager
-float64 operators give the same numbers within float64 rounding, slower.
-``python -m precise_bn.moments`` compiles the usual packages ahead of time (for a cluster image,
-or a CI cache).
+"""One BN call's float64 mean and biased variance, measured from its input in one read around
+a per-channel shift ``c`` near its mean: ``mean = c + sum(y) / n``, ``var = (sum(y^2) - sum(y)^2
+/ n) / n`` with ``y = x - c`` in float64; on the CPU a call whose shift was more than a std off
+is measured again around its own mean (docs/numerics.md derives the bound). The sums are one
+fused loop per layout, compiled (:mod:`precise_bn.compiled`), eager operators until then.
+``python -m precise_bn.moments`` compiles them ahead of time (a cluster's image or shared cache).
 """
 from __future__ import annotations
 
@@ -23,8 +17,7 @@ import torch
 from . import aoti, compiled
 from .aoti import Program
 
-#: Float64 values an eager chunk forms at a time: on the CPU few enough to be summed while still
-#: in cache, on a GPU enough to keep it busy.
+#: Float64 values an eager chunk forms at a time (CPU: still in cache; GPU: enough to keep it busy).
 CHUNK = {"cpu": 1 << 15, "other": 1 << 24}
 #: Devices where reading the far-shift flag costs nothing: the host is the device.
 HOST_DEVICES = ("cpu",)
@@ -135,7 +128,6 @@ def _dynamic(form: str) -> Tuple[Dict[int, Any], ...]:
     return {0: dims[0], 1: dims[1], 2: dims[2]}, {0: dims[1] if form == "channels_first" else dims[2]}
 
 
-#: The text the compiled code comes from: a change to it names new packages.
 SOURCE = "".join(inspect.getsource(part) for part in (_finish, _clean, _Sums))
 for _form in FORM_NAMES:
     aoti.PROGRAMS[_form] = Program(
@@ -143,8 +135,7 @@ for _form in FORM_NAMES:
         dynamic=lambda form=_form: _dynamic(form), eager=lambda x, shift, form=_form: _eager(form, x, shift),
         source=SOURCE)
 
-#: (input, shift) dtypes a model gives the sums: a layer's own dtype (its buffers' too, the
-#: shift), and a half-precision input under autocast beside float32 buffers.
+#: (input, shift) dtypes a model gives the sums: a layer's own, and half inputs beside float32 buffers.
 AHEAD = ("float32:float32", "float16:float32", "bfloat16:float32", "float16:float16", "bfloat16:bfloat16",
          "float64:float64")
 

@@ -32,7 +32,8 @@ CPU = torch.device("cpu")
 
 def _child(script, cache, timeout=300, **env):
     """Run ``script`` in a fresh process on ``cache``; stdout and stderr as text."""
-    environ = dict(os.environ, PRECISE_BN_CACHE=str(cache), PRECISE_BN_COMPILE="auto", **env)
+    environ = dict(os.environ, PRECISE_BN_CACHE=str(cache), PRECISE_BN_COMPILE="auto")
+    environ.update(env)
     environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), TESTS, environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=environ, capture_output=True,
                           text=True, timeout=timeout)
