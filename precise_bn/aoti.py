@@ -1,12 +1,12 @@
-"""One package of a :class:`Program`, made and loaded with torch's AOTInductor, leaving
-nothing behind: no half-imported compiler after a Ctrl-C (its modules are imported with
-signals deferred), no progress-bar thread, no files in ``TMPDIR`` (inductor works in a private
-folder, its precompiled headers off), and the loader's CPU probes kept beside the packages so
-that a fresh node loads in milliseconds. A package's name says what made it: torch,
-precise-bn, the program's source, the processor. Why: docs/numerics.md ("The package cache").
+"""One package of a :class:`Program`, made with torch's AOTInductor and loaded by its C++
+loader (milliseconds: no compiler import, no CPU probe), named by what made it (torch,
+precise-bn, the program's source, the processor). A compile leaves nothing behind: no
+half-imported module after a Ctrl-C (imports run whole, signals deferred), no progress-bar
+thread, no files in ``TMPDIR``. Why: docs/numerics.md ("The package cache").
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import hashlib
@@ -15,8 +15,8 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
@@ -26,10 +26,6 @@ from . import package_cache as cache
 from ._version import __version__
 from .signals import critical, relayed
 
-#: What a compile imports, with signals deferred: a module half-imported by a Ctrl-C breaks torch.
-COMPILER_MODULES = ("torch.export", "torch._inductor", "torch._dynamo", "torch._inductor.compile_fx",
-                    "torch._inductor.codecache", "torch._inductor.cpu_vec_isa", "torch._inductor.package",
-                    "torch._inductor.graph", "torch._inductor.codegen.cpp")
 
 #: (program, input dtypes, device type): one package each.
 Key = Tuple[str, Tuple[torch.dtype, ...], str]
@@ -91,16 +87,38 @@ def package_path(key: Key, device: torch.device) -> str:
     return os.path.join(cache.cache_dir(), "-".join(parts) + ".pt2")
 
 
+def _deferring(load: Callable[..., Any]) -> Callable[..., Any]:
+    def whole(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():  # signals go to the main one
+            return load(*args, **kwargs)
+        with critical():
+            return load(*args, **kwargs)
+    return whole
+
+
+@contextlib.contextmanager
+def _whole_imports() -> Iterator[None]:
+    """Every import in the block runs whole, signals deferred until it returns: a Ctrl-C inside
+    one of the modules torch's compiler imports lazily would leave torch broken for good."""
+    original, by_name = builtins.__import__, importlib.import_module
+    with relayed():
+        with critical():
+            builtins.__import__, importlib.import_module = _deferring(original), _deferring(by_name)
+        try:
+            yield
+        finally:
+            with critical():
+                builtins.__import__, importlib.import_module = original, by_name
+
+
 def _aoti() -> Any:
     """torch's AOTInductor entry points, or None where this torch lacks them (before 2.6)."""
     try:
-        with relayed(), critical():
-            for name in COMPILER_MODULES:
-                importlib.import_module(name)
+        with _whole_imports():
+            importlib.import_module("torch.export")
+            inductor = importlib.import_module("torch._inductor")
     except ImportError:
-        if COMPILER_MODULES[0] not in sys.modules or "torch._inductor" not in sys.modules:
-            return None
-    inductor = importlib.import_module("torch._inductor")
+        return None
     return inductor if hasattr(inductor, "aoti_load_package") else None
 
 
@@ -142,30 +160,13 @@ def _quiet_torch() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _inductor_files(folder: str) -> Iterator[None]:
-    """torch's inductor writes its files (headers, objects, CPU probes) to ``folder`` for the
-    block, instead of the machine-wide ``TMPDIR/torchinductor_USER``."""
+    """torch's inductor writes its files (objects, CPU probes) to ``folder`` for the block,
+    instead of the machine-wide ``TMPDIR/torchinductor_USER``."""
     utils = importlib.import_module("torch._inductor.runtime.cache_dir_utils")
     with contextlib.ExitStack() as stack:
         if hasattr(utils, "temporary_cache_dir"):
             stack.enter_context(utils.temporary_cache_dir(folder))
         yield
-
-
-@contextlib.contextmanager
-def _probes(device: torch.device, path: str) -> Iterator[None]:
-    """The block keeps the loader's CPU probes beside this machine's packages, so that a fresh
-    node loads in milliseconds (a private copy where the cache cannot be written)."""
-    folder = os.path.join(os.path.dirname(path), "inductor-" + _hash(_machine(device), 16))
-    private = None if cache.writable(folder) else tempfile.mkdtemp(prefix="precise-bn-inductor-")
-    if private is not None:
-        with contextlib.suppress(OSError):
-            shutil.copytree(folder, private, dirs_exist_ok=True)
-    try:
-        with _inductor_files(private or folder):
-            yield
-    finally:
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
 
 
 def compile_package(key: Key, device: torch.device, path: str) -> None:
@@ -185,13 +186,10 @@ def compile_package(key: Key, device: torch.device, path: str) -> None:
     start = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="precise-bn-compile-")
     try:
-        with _quiet_torch():
-            with _probes(device, path):
-                importlib.import_module("torch._inductor.cpu_vec_isa").valid_vec_isa_list()
-            with torch.no_grad(), _inductor_files(scratch):
-                exported = torch.export.export(program.module().to(device), program.example(key[1], device),
-                                               dynamic_shapes=program.dynamic())
-                aoti.aoti_compile_and_package(exported, package_path=partial, inductor_configs=options)
+        with _quiet_torch(), _whole_imports(), torch.no_grad(), _inductor_files(scratch):
+            exported = torch.export.export(program.module().to(device), program.example(key[1], device),
+                                           dynamic_shapes=program.dynamic())
+            aoti.aoti_compile_and_package(exported, package_path=partial, inductor_configs=options)
         cache.publish(partial, path, {"program": kernel_name(key), "torch": torch.__version__,
                                       "precise_bn": __version__, "compile_seconds": time.perf_counter() - start})
     finally:
@@ -200,13 +198,26 @@ def compile_package(key: Key, device: torch.device, path: str) -> None:
             os.unlink(partial)
 
 
+def _native_loader() -> Any:
+    return getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+
+
+def loadable() -> bool:
+    """Whether this torch can load packages: its C++ loader, which needs neither torch's
+    compiler modules (a second or two to import) nor the compiler's CPU probes."""
+    return _native_loader() is not None or available()
+
+
 def load_package(key: Key, device: torch.device, path: str) -> Run:
     """The compiled program in ``path``, checked against its eager form on its example; called
     as ``run([inputs...]) -> [outputs...]``, straight into the compiled code."""
-    aoti = _require_aoti()
-    with _quiet_torch(), _probes(device, path):
-        package = _load(aoti, device, path)
-    run: Run = package.loader.run
+    index = -1 if device.index is None or device.type == "cpu" else device.index
+    native = _native_loader()
+    if native is not None:
+        run: Run = native(path, "model", False, 1, index).run
+    else:
+        with _quiet_torch(), _whole_imports():
+            run = _require_aoti().aoti_load_package(path, device_index=index).loader.run
     program = PROGRAMS[key[0]]
     example = program.example(key[1], device)
     for got, want in zip(run(list(example)), program.eager(*example)):
@@ -218,9 +229,3 @@ def load_package(key: Key, device: torch.device, path: str) -> Run:
 def _has(config: Any, name: str) -> bool:
     head, _, rest = name.partition(".")
     return hasattr(config, head) and (not rest or _has(getattr(config, head), rest))
-
-
-def _load(aoti: Any, device: torch.device, path: str) -> Any:
-    if device.type == "cpu":
-        return aoti.aoti_load_package(path)
-    return aoti.aoti_load_package(path, device_index=device.index if device.index is not None else -1)

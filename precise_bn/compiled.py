@@ -89,9 +89,8 @@ class Kernels:
     def _first_sight(self, where: Where) -> None:
         key = self._seen[where] = (where[0], where[1], where[2].type)
         choice = cache.policy()
-        # The file first: importing torch's compiler takes about a second, for nothing if it is absent.
         if choice == "always" or (choice == "auto" and os.path.exists(package_path(key, where[2]))
-                                  and aoti.available()):
+                                  and aoti.loadable()):
             self._prepare(where, key, build=choice == "always")
 
     def expect(self, elements: int) -> None:

@@ -296,12 +296,12 @@ def test_a_compile_leaves_no_thread_child_or_temporary_file(built):
     assert [str(p) for p in built.tmp.rglob("*") if not p.is_dir()] == []
     names = sorted(p.name for p in built.cache.iterdir())
     base = os.path.basename(compiled.package_path(KEY, CPU))[: -len(".pt2")]
-    assert names[:2] == [base + ".json", base + ".pt2"] and len(names) == 3 and names[2].startswith("inductor-")
+    assert names == [base + ".json", base + ".pt2"]
     assert stat.S_IMODE(os.stat(built.cache / (base + ".pt2")).st_mode) == 0o644
 
 
 MEASURE = """
-    import torch
+    import sys, torch
     from torch import nn
     from precise_bn import compiled, recompute
     from reference import assert_close_exact, float64_reference
@@ -314,7 +314,8 @@ MEASURE = """
         recompute(model, data, progress=False)
         layer = model[1]
         assert_close_exact(layer.running_mean, layer.running_var, *reference["1"][:2], "1")
-    print(sorted(where[0] for where in compiled.KERNELS.ready), compiled.KERNELS.eager_elements > 0)
+    print(sorted(where[0] for where in compiled.KERNELS.ready), compiled.KERNELS.eager_elements > 0,
+          "torch._inductor" in sys.modules)
 """
 
 
@@ -345,7 +346,7 @@ def test_a_read_only_cache_is_loaded_and_never_written(read_only, policy):
     done = _child(MEASURE, read_only, PRECISE_BN_COMPILE=policy)
     assert done.returncode == 0, done.stderr
     # The package there measured the first model; the second's form is not there: eager sums.
-    assert done.stdout.split() == ["['channels_first']", "True"], done.stdout
+    assert done.stdout.split()[:2] == ["['channels_first']", "True"], done.stdout
     assert sorted(p.name for p in read_only.iterdir()) == before
     if policy == "always":
         assert "the package cache {} cannot be written by this process".format(read_only) in done.stderr
@@ -368,7 +369,7 @@ def test_a_damaged_package_costs_a_line_and_the_eager_sums_never_the_process(bui
     open(path, "wb").write(bytes(data))
     done = _child(MEASURE, folder)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["[]", "True"], done.stdout
+    assert done.stdout.split() == ["[]", "True", "False"], done.stdout
     lines = [line for line in done.stderr.splitlines() if "precise-bn" in line]
     assert len(lines) == 1 and lines[0].startswith("precise-bn: the package {} was not loaded: its content is not "
                                                    "what its record says".format(path)), done.stderr
@@ -377,10 +378,99 @@ def test_a_damaged_package_costs_a_line_and_the_eager_sums_never_the_process(bui
     assert open(path + ".bad", "rb").read() == bytes(data) and not os.path.exists(path)
 
 
-def test_a_fresh_node_loads_without_building_probes(built, tmp_path):
-    """The loader's CPU probes are kept with the packages: an empty inductor cache builds nothing."""
+def test_a_fresh_node_loads_without_importing_the_compiler_or_building_anything(built, tmp_path):
+    """The C++ loader reads the package: torch's compiler modules stay unimported (a second or
+    two), and an empty inductor cache stays empty (its CPU probes took about 6 s)."""
     inductor = tmp_path / "inductor"
     done = _child(MEASURE, _copy(built, tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR=str(inductor))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[0] == "['channels_first']", done.stdout
-    assert [str(p) for p in inductor.rglob("*") if p.suffix in (".cpp", ".so")] == []
+    assert done.stdout.split() == ["['channels_first']", "True", "False"], done.stdout
+    assert not inductor.exists() or [str(p) for p in inductor.rglob("*") if not p.is_dir()] == []
+
+
+INTERRUPTED = """
+    import os, signal, sys, threading, time, traceback, torch
+    from torch import nn
+    from precise_bn import compiled, recompute
+    PHASES = ("_aoti", "export", "aoti_compile_and_package", "publish", "load_package")
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(6))
+    data = [torch.randn(4, 6) for _ in range(2)]
+    os.environ["PRECISE_BN_COMPILE"] = "never"
+    recompute(model, data, progress=False)  # what a pass imports, imported: only the compile is interrupted
+    os.environ["PRECISE_BN_COMPILE"] = "always"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    timers = []
+
+    def interrupt(delay):
+        timers.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)))
+        timers[-1].start()
+
+    def attempt(where, delay=None):
+        try:
+            if delay is not None:
+                interrupt(delay)
+            recompute(model, data, progress=False)
+            timers[-1].join()
+            time.sleep(1)
+        except KeyboardInterrupt:
+            timers[-1].join()
+            frames = [f.name for f in traceback.extract_tb(sys.exc_info()[2])]
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            print(where, ([n for n in frames if n in PHASES] or ["elsewhere"])[-1], flush=True)
+            return
+        print(where, "not interrupted", flush=True)
+
+    attempt("_aoti", 0.01)  # importing torch's compiler
+    inductor = sys.modules["torch._inductor"]
+    plan = [("export", 0.05), ("export", 0.5), ("aoti_compile_and_package", 0.5), ("aoti_compile_and_package", 3.0),
+            ("load_package", "before"), ("load_package", "after")]
+    for owner, name in ((torch.export, "export"), (inductor, "aoti_compile_and_package")):
+        def armed(*args, _run=getattr(owner, name), _name=name, **kwargs):
+            if plan and plan[0][0] == _name:
+                interrupt(plan.pop(0)[1])
+            return _run(*args, **kwargs)
+        setattr(owner, name, armed)
+    native = torch._C._aoti.AOTIModelPackageLoader
+
+    def loader(*args):  # the C++ loader takes milliseconds: the signal comes just before or after it
+        when = plan.pop(0)[1] if plan and plan[0][0] == "load_package" else None
+        interrupt(0) if when == "before" else None
+        timers[-1].join()
+        made = native(*args)
+        interrupt(0) if when == "after" else None
+        timers[-1].join()
+        return made
+
+    torch._C._aoti.AOTIModelPackageLoader = loader
+    for where, _ in list(plan):
+        attempt(where)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # torch still whole
+    eager = compiled.KERNELS.eager_elements
+    recompute(model, data, progress=False)
+    print(compiled.KERNELS.eager_elements == eager, len(compiled.KERNELS.ready), compiled.KERNELS.failures)
+    print(sorted(os.listdir(os.environ["PRECISE_BN_CACHE"])))
+"""
+
+
+@pytest.mark.skipif(not aoti.available(), reason="AOTInductor came with torch 2.6")
+def test_a_ctrl_c_at_any_phase_of_a_compile_leaves_torch_whole_and_the_program_retried(tmp_path):
+    """Interrupts while importing torch's compiler, exporting, compiling and loading, in one
+    live process: each leaves the model as it was and nothing in the cache, and the next pass
+    tries again; torch still works and the last pass compiles and measures with the package."""
+    done = _child(INTERRUPTED, tmp_path / "cache", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    hit = [line.split() for line in lines[:7]]
+    assert [line[0] for line in hit] == ["_aoti", "export", "export", "aoti_compile_and_package",
+                                         "aoti_compile_and_package", "load_package", "load_package"], lines
+    assert all(len(line) == 2 for line in hit), lines  # every attempt interrupted
+    # Each interrupt lands in the phase it was armed in, or (a short phase over first) in the next one.
+    later = {"_aoti": ("_aoti", "export"), "export": ("export", "aoti_compile_and_package"),
+             "aoti_compile_and_package": ("aoti_compile_and_package", "publish", "load_package"),
+             "load_package": ("load_package",)}
+    assert all(phase in later[armed] for armed, phase in hit), lines
+    assert {"_aoti", "export", "aoti_compile_and_package", "load_package"} <= {phase for _, phase in hit}, lines
+    assert lines[7] == "True 1 []", lines
+    base = os.path.basename(compiled.package_path(("channels_last", (torch.float32, torch.float32), "cpu"), CPU))
+    assert lines[8] == str(sorted([base[: -len(".pt2")] + ".json", base]))
