@@ -61,7 +61,11 @@ def writable(folder: str) -> bool:
 
 
 def file_mode() -> int:
-    """The mode ``open()`` gives a new file under the process's umask."""
+    """The mode ``open()`` gives a new file under the process's umask (read without setting it
+    where Linux says it: setting it, even back, races with other threads' new files)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as status:
+            return 0o666 & ~int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
