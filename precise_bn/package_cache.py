@@ -49,8 +49,11 @@ def check_environment() -> None:
     policy()
     folder = cache_dir()
     if os.path.exists(folder) and not os.path.isdir(folder):
-        raise ConfigError("PRECISE_BN_CACHE is {}, a file, not a folder: point it at a folder "
-                          "(or unset it for ~/.cache/precise_bn)".format(folder))
+        if os.environ.get("PRECISE_BN_CACHE", "").strip():
+            raise ConfigError("PRECISE_BN_CACHE is {}, a file, not a folder: point it at a folder "
+                              "(or unset it for ~/.cache/precise_bn)".format(folder))
+        raise ConfigError("the package cache {} is a file, not a folder: remove it, or set PRECISE_BN_CACHE "
+                          "to a folder".format(folder))
 
 
 def writable(folder: str) -> bool:

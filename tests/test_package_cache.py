@@ -394,8 +394,8 @@ def test_a_fresh_node_loads_without_importing_the_compiler_or_building_anything(
 INTERRUPTED = """
     import os, signal, sys, threading, time, traceback, torch
     from torch import nn
-    from precise_bn import compiled, recompute
-    PHASES = ("_aoti", "export", "aoti_compile_and_package", "publish", "load_package")
+    from precise_bn import aoti, compiled, recompute
+    PHASES = ("compile_package", "_aoti", "export", "aoti_compile_and_package", "publish", "load_package")
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(6))
     data = [torch.randn(4, 6) for _ in range(2)]
@@ -403,16 +403,15 @@ INTERRUPTED = """
     recompute(model, data, progress=False)  # what a pass imports, imported: only the compile is interrupted
     os.environ["PRECISE_BN_COMPILE"] = "always"
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    timers = []
+    timers, now = [], []
 
     def interrupt(delay):
         timers.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)))
         timers[-1].start()
 
-    def attempt(where, delay=None):
+    def attempt(where):
+        now[:] = [where]  # only the phase an attempt is for is armed
         try:
-            if delay is not None:
-                interrupt(delay)
             recompute(model, data, progress=False)
             timers[-1].join()
             time.sleep(1)
@@ -424,20 +423,28 @@ INTERRUPTED = """
             return
         print(where, "not interrupted", flush=True)
 
-    attempt("_aoti", 0.01)  # importing torch's compiler
+    importing = aoti._aoti
+
+    def armed_import():
+        aoti._aoti = importing
+        interrupt(0.01)
+        return importing()
+
+    aoti._aoti = armed_import
+    attempt("_aoti")  # while importing torch's compiler
     inductor = sys.modules["torch._inductor"]
-    plan = [("export", 0.05), ("export", 0.5), ("aoti_compile_and_package", 0.5), ("aoti_compile_and_package", 3.0),
+    plan = [("export", 0.05), ("export", 0.5), ("aoti_compile_and_package", 0.5), ("aoti_compile_and_package", 1.5),
             ("load_package", "before"), ("load_package", "after")]
     for owner, name in ((torch.export, "export"), (inductor, "aoti_compile_and_package")):
         def armed(*args, _run=getattr(owner, name), _name=name, **kwargs):
-            if plan and plan[0][0] == _name:
+            if plan and plan[0][0] == _name == now[0]:
                 interrupt(plan.pop(0)[1])
             return _run(*args, **kwargs)
         setattr(owner, name, armed)
     native = torch._C._aoti.AOTIModelPackageLoader
 
     def loader(*args):  # the C++ loader takes milliseconds: the signal comes just before or after it
-        when = plan.pop(0)[1] if plan and plan[0][0] == "load_package" else None
+        when = plan.pop(0)[1] if plan and plan[0][0] == "load_package" == now[0] else None
         interrupt(0) if when == "before" else None
         timers[-1].join()
         made = native(*args)
@@ -467,13 +474,22 @@ def test_a_ctrl_c_at_any_phase_of_a_compile_leaves_torch_whole_and_the_program_r
     hit = [line.split() for line in lines[:7]]
     assert [line[0] for line in hit] == ["_aoti", "export", "export", "aoti_compile_and_package",
                                          "aoti_compile_and_package", "load_package", "load_package"], lines
-    assert all(len(line) == 2 for line in hit), lines  # every attempt interrupted
+    assert all(len(line) == 2 for line in hit), "\n".join(lines)  # every attempt interrupted
     # Each interrupt lands in the phase it was armed in, or (a short phase over first) in the next one.
-    later = {"_aoti": ("_aoti", "export"), "export": ("export", "aoti_compile_and_package"),
-             "aoti_compile_and_package": ("aoti_compile_and_package", "publish", "load_package"),
+    later = {"_aoti": ("_aoti",), "export": ("export", "compile_package", "aoti_compile_and_package"),
+             "aoti_compile_and_package": ("aoti_compile_and_package", "compile_package", "publish", "load_package"),
              "load_package": ("load_package",)}
     assert all(phase in later[armed] for armed, phase in hit), lines
     assert {"_aoti", "export", "aoti_compile_and_package", "load_package"} <= {phase for _, phase in hit}, lines
     assert lines[7] == "True 1 []", lines
     base = os.path.basename(compiled.package_path(("channels_last", (torch.float32, torch.float32), "cpu"), CPU))
     assert lines[8] == str(sorted([base[: -len(".pt2")] + ".json", base]))
+
+
+def test_a_default_cache_path_that_is_a_file_names_the_variable_to_set(monkeypatch, tmp_path):
+    monkeypatch.delenv("PRECISE_BN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "precise_bn").write_text("")
+    with pytest.raises(ConfigError, match="the package cache {} is a file, not a folder: remove it, or set "
+                                          "PRECISE_BN_CACHE to a folder".format(tmp_path / "precise_bn")):
+        package_cache.check_environment()
