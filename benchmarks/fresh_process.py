@@ -11,7 +11,7 @@ torchvision's resnet18 (random weights, ``torch.manual_seed(0)``) and 32 batches
 this checkout. ``warm``: the package cache (``PRECISE_BN_CACHE``) was filled once first by
 ``python -m precise_bn.moments``, as a cluster image would be; ``cold``: each precise-bn process
 gets an empty package cache and an empty inductor cache, as on a machine that never compiled
-(``auto`` then compiles only if the planned pass pays for it). precise-bn and fvcore processes
+(``auto`` then compiles only once the eager sums have cost this machine about a compile). precise-bn and fvcore processes
 alternate (which goes first alternates too), and each ratio is taken between adjacent
 processes. Per size and cache: the call's seconds, the process's seconds from its start to the
 call's return, and from the call's return to the process's end (``exit``: an fvcore process

@@ -1,17 +1,13 @@
-"""What a BN buffer's dtype holds: float64 results rounded to nearest, overflow refused,
-underflow said.
-
-torch converts float64 to bfloat16 and float16 through float32, rounding twice, which can land
-one unit off the nearest value. :func:`round_to` rounds to float32 *to odd* first (truncate,
-then set the last bit if anything was cut): float32 keeps more than twice the bits of either
-half format plus two, so the second rounding is then the correct one (docs/numerics.md).
-"""
+"""What a BN buffer's dtype holds: float64 results rounded to nearest (to bfloat16 and float16
+through float32 rounded *to odd*, so never twice: docs/numerics.md), overflow refused,
+underflow said."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .aoti import dtype_name
 from .errors import NonFiniteStatsError, warn
 
 Stats = Tuple[torch.Tensor, torch.Tensor]
@@ -32,9 +28,8 @@ def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes: Sequence[torch.dtype]) -> None:
     """Before anything is written: :class:`~precise_bn.NonFiniteStatsError` for a layer whose
-    statistics overflow its buffers' dtype (``inf`` is never written), and one
-    :class:`~precise_bn.PreciseBNWarning` per layer whose nonzero statistics fall below the
-    dtype's smallest normal number, where they keep no relative precision (0 or a subnormal)."""
+    statistics overflow its buffers' dtype, and a :class:`~precise_bn.PreciseBNWarning` per layer
+    whose nonzero statistics fall below the dtype's smallest normal (no relative precision left)."""
     for name, result, dtype in zip(names, results, dtypes):
         if result is None:
             continue
@@ -45,7 +40,7 @@ def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes:
             raise NonFiniteStatsError(
                 "BatchNorm layer {!r}: its statistics reach {:.3g}, beyond what its {} buffers hold "
                 "({:.3g}); scale its input down, or keep the layer in float64 (layer.double())".format(
-                    name, largest, _short(dtype), info.max))
+                    name, largest, dtype_name(dtype), info.max))
         if not bool(((magnitudes != 0) & (magnitudes < info.tiny)).any()):
             continue
         for what, values in zip(("mean", "variance"), result):
@@ -55,9 +50,6 @@ def check_fits(names: Sequence[str], results: Sequence[Optional[Stats]], dtypes:
                 first = values[channels[0]:channels[0] + 1]
                 warn("BatchNorm layer {!r}: the {} of {} channel(s) (first: channel {}, {:.3g}) is below the "
                      "smallest normal {} ({:.3g}) and is written as {:.3g}, keeping no relative precision".format(
-                         name, what, len(channels), channels[0], float(first[0]), _short(dtype), info.tiny,
+                         name, what, len(channels), channels[0], float(first[0]), dtype_name(dtype), info.tiny,
                          float(round_to(first, dtype)[0])))
 
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")

@@ -1,191 +1,51 @@
-"""Functions of tensors compiled ahead of use by AOTInductor into packages on disk, and called
-with no Python wrapper: the float64 sums of each BN call (``moments``).
-
-A package is made once per machine, on the caller's thread, where a pass pays for it (or at
-once with ``PRECISE_BN_COMPILE=always``; ``never``: never), kept in ``PRECISE_BN_CACHE``
-(default ``~/.cache/precise_bn``) under a name that says torch's version and the processor it
-was built for, written whole or not at all, and loaded by the next process in milliseconds.
-Until it is there, and where none can be made (torch before 2.6, no C++ compiler), the
-program's eager form runs: the same numbers within float64 rounding, slower. Nothing runs in
-the background and nothing waits at exit. Why: docs/numerics.md ("What the measurement costs").
+"""When the float64 sums (``moments``) run compiled: a package is loaded at first sight once
+its record vouches for it, and made on the caller's thread once the eager seconds its program
+has cost this machine reach about its compile time (rent or buy; ``PRECISE_BN_COMPILE=always``:
+at once, ``never``: never). Until then, and where none can be made, the eager form runs: the
+same numbers within float64 rounding. Why: docs/numerics.md ("The package cache").
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import importlib
 import logging
 import os
-import platform
-import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
 
-from .errors import ConfigError
+from . import aoti
+from . import package_cache as cache
+from .aoti import PROGRAMS, Key, Run, Where, kernel_name, package_path
 
 logger = logging.getLogger("precise_bn")
 
-#: Seconds a compile is taken to cost (a cold compile of one program measured 10 to 25 s on two
-#: cores): a pass compiles when its planned eager work would take longer than that.
+#: Seconds a compile is taken to cost until one is recorded in the cache (a cold compile of one
+#: program measured 10 to 25 s on two cores).
 COMPILE_SECONDS = 30.0
 #: Eager seconds per element assumed where they cannot be timed (a GPU runs asynchronously).
 EAGER_SECONDS_PER_ELEMENT = 2e-10
 
-#: (program, input dtypes, device type): one package each.
-Key = Tuple[str, Tuple[torch.dtype, ...], str]
-#: (program, input dtypes, device): one loaded package each.
-Where = Tuple[str, Tuple[torch.dtype, ...], torch.device]
-Run = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """What can be compiled: ``module()`` builds it, ``example(dtypes, device)`` gives inputs to
-    trace it with, ``dynamic()`` the dynamic dimensions of each input (``torch.export.Dim``),
-    and ``eager(*inputs)`` computes the same outputs with eager operators."""
-
-    module: Callable[[], torch.nn.Module]
-    example: Callable[[Tuple[torch.dtype, ...], torch.device], Tuple[torch.Tensor, ...]]
-    dynamic: Callable[[], Tuple[Dict[int, Any], ...]]
-    eager: Callable[..., Sequence[torch.Tensor]]
-
-
-PROGRAMS: Dict[str, Program] = {}
-
-
-def policy() -> str:
-    """``PRECISE_BN_COMPILE``, checked: ``auto``, ``always`` or ``never``."""
-    value = os.environ.get("PRECISE_BN_COMPILE", "auto").strip().lower()
-    if value not in ("auto", "always", "never"):
-        raise ConfigError("PRECISE_BN_COMPILE must be auto, always or never, got {!r}".format(value))
-    return value
-
-
-def cache_dir() -> str:
-    """Where packages are kept: ``PRECISE_BN_CACHE``, else ``precise_bn`` in the user's cache
-    directory (``XDG_CACHE_HOME`` or ``~/.cache``)."""
-    chosen = os.environ.get("PRECISE_BN_CACHE")
-    if chosen:
-        return chosen
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "precise_bn")
-
-
-def _machine(device: torch.device) -> str:
-    """What a package depends on besides its key: torch, and the processor it was built for
-    (C++ for the host's instruction set, Triton for the GPU's)."""
-    if device.type == "cuda":
-        hardware = "{}-{}".format(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
-    else:
-        flags = ""
-        with contextlib.suppress(OSError):
-            with open("/proc/cpuinfo") as info:
-                flags = next((line for line in info if line.startswith("flags")), "")
-        hardware = "{}-{}".format(platform.machine(), flags)
-    return "{}-{}".format(torch.__version__, hardware)
-
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def kernel_name(key: Key) -> str:
-    """A key in words: ``channels_first(float32, float32) on cpu``."""
-    return "{}({}) on {}".format(key[0], ", ".join(_short(d) for d in key[1]), key[2])
-
-
-def package_path(key: Key, device: torch.device) -> str:
-    """The file the package of ``key`` compiled for ``device``'s kind is kept in."""
-    digest = hashlib.sha256(_machine(device).encode()).hexdigest()[:16]
-    parts = [key[0]] + [_short(d) for d in key[1]] + [key[2], digest]
-    return os.path.join(cache_dir(), "-".join(parts) + ".pt2")
-
-
-def _aoti() -> Any:
-    """torch's AOTInductor entry points, or None where this torch lacks them (before 2.6)."""
-    try:
-        importlib.import_module("torch.export")
-        inductor = importlib.import_module("torch._inductor")
-    except ImportError:
-        return None
-    return inductor if hasattr(inductor, "aoti_load_package") else None
-
-
-def _require_aoti() -> Any:
-    aoti = _aoti()
-    if aoti is None:
-        raise RuntimeError("this torch ({}) has no AOTInductor (torch 2.6 or later)".format(torch.__version__))
-    return aoti
-
-
-@contextlib.contextmanager
-def _quiet_torch() -> Iterator[None]:
-    """torch's own loggers at ERROR while compiling or loading: their notes (no CUDA runtime on
-    a CPU machine, an instruction-set label) describe torch's set-up, not the user's run."""
-    loggers = [logging.getLogger(name) for name in ("torch", "torch._inductor", "torch.export",
-                                                    "torch.utils.cpp_extension")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
-
-
-def compile_package(key: Key, device: torch.device, path: str) -> None:
-    """Compile ``key``'s program for ``device`` into ``path`` (written whole, or not at all)."""
-    aoti = _require_aoti()
-    program = PROGRAMS[key[0]]
-    options: Dict[str, Any] = {"compile_threads": 1}
-    if device.type == "cpu":
-        options["cpp.simdlen"] = 256  # measured 2.6x faster than 512-bit float64 reductions
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    handle, partial = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(path))
-    os.close(handle)
-    try:
-        with _quiet_torch(), torch.no_grad():
-            exported = torch.export.export(program.module().to(device), program.example(key[1], device),
-                                           dynamic_shapes=program.dynamic())
-            aoti.aoti_compile_and_package(exported, package_path=partial, inductor_configs=options)
-        os.replace(partial, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-
-
-def load_package(key: Key, device: torch.device, path: str) -> Run:
-    """The compiled program in ``path``, checked against its eager form on its example; called
-    as ``run([inputs...]) -> [outputs...]``, straight into the compiled code."""
-    aoti = _require_aoti()
-    with _quiet_torch():
-        if device.type == "cpu":
-            package = aoti.aoti_load_package(path)
-        else:
-            package = aoti.aoti_load_package(path, device_index=device.index if device.index is not None else -1)
-    run: Run = package.loader.run
-    program = PROGRAMS[key[0]]
-    example = program.example(key[1], device)
-    for got, want in zip(run(list(example)), program.eager(*example)):
-        if got.shape != want.shape or not torch.allclose(got.double(), want.double(), rtol=1e-10, atol=1e-300):
-            raise RuntimeError("the compiled {} in {} disagrees with its eager form".format(key[0], path))
-    return run
+def compile_cost(folder: str, device_type: str) -> float:
+    """Seconds a compile takes on this machine: the mean of those recorded in ``folder`` for
+    ``device_type``, else :data:`COMPILE_SECONDS`."""
+    seen = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            if name.endswith(".json") and "-{}-pbn".format(device_type) in name:
+                seconds = (cache.recorded(os.path.join(folder, name[: -len(".json")] + ".pt2")) or {}).get("compile_seconds")
+                if isinstance(seconds, (int, float)) and seconds > 0:
+                    seen.append(float(seconds))
+    return sum(seen) / len(seen) if seen else COMPILE_SECONDS
 
 
 class Kernels:
     """The process's compiled programs; :meth:`run` calls one where it is loaded, its eager
-    form before.
-
-    A package on disk is loaded the first time its key is seen. A missing one is compiled on
-    the caller's thread: at once with ``PRECISE_BN_COMPILE=always``, or when :meth:`expect`
-    says that a pass's planned eager work would take longer than :data:`COMPILE_SECONDS` per
-    missing program. Each compile says so in one line, with how long it took; a failure says
-    why, once, and the eager forms go on (the same numbers)."""
+    form before. :meth:`expect` charges each pass to the cache's ledger and compiles what has
+    paid for itself; one process compiles a package at a time, the others stay eager and load
+    it once it is there. A compile says so in one line; a failure says why, once."""
 
     def __init__(self) -> None:
         self.ready: Dict[Where, Run] = {}
@@ -196,6 +56,8 @@ class Kernels:
         self.compiled: List[Key] = []
         self.failures: List[str] = []
         self._seen: Dict[Where, Key] = {}
+        self._unpaid: Dict[Where, int] = {}  # eager elements since the ledger was last told
+        self._paid_here: Dict[Key, float] = {}  # what a ledger we cannot write would hold
         self._given_up: Set[Key] = set()
         self._lock = threading.Lock()  # DataParallel's threads may see a new program together
         self._subclasses: Set[type] = set()
@@ -215,6 +77,7 @@ class Kernels:
             if where in self.ready:
                 return self.run(name, inputs)
         self.eager_elements += inputs[0].numel()
+        self._unpaid[where] = self._unpaid.get(where, 0) + inputs[0].numel()
         if inputs[0].device.type != "cpu":
             return PROGRAMS[name].eager(*inputs)
         start = time.perf_counter()
@@ -225,60 +88,114 @@ class Kernels:
 
     def _first_sight(self, where: Where) -> None:
         key = self._seen[where] = (where[0], where[1], where[2].type)
-        choice = policy()
-        # The file first: importing torch's compiler takes about a second, for nothing if it is absent.
+        choice = cache.policy()
         if choice == "always" or (choice == "auto" and os.path.exists(package_path(key, where[2]))
-                                  and _aoti() is not None):
-            self._prepare(where, key)
+                                  and aoti.loadable()):
+            self._prepare(where, key, build=choice == "always")
 
     def expect(self, elements: int) -> None:
         """A pass is about to run about ``elements`` more elements through the programs seen so
-        far: compile those not ready if their eager forms would take longer than the compiles."""
-        if policy() != "auto" or not self.eager_elements:
+        far. A package another process made meanwhile is loaded; under ``auto`` each program
+        still missing is charged its share of the pass's eager seconds in the cache's ledger,
+        and compiled once the total reaches its compile time."""
+        choice = cache.policy()
+        if choice == "never":
             return
-        missing = self._missing()
+        unpaid, self._unpaid = self._unpaid, {}
+        total = sum(unpaid.values())
         per_element = self.eager_seconds / self.eager_elements if self.eager_seconds else EAGER_SECONDS_PER_ELEMENT
-        if missing and elements * per_element > COMPILE_SECONDS * len(missing):
-            self.compile_seen()
-        elif missing:
-            logger.debug("precise-bn: the pass stays eager: about %.1f s of eager work, less than compiling",
-                         elements * per_element)
+        with self._lock:
+            for where, key in self._missing():
+                path = package_path(key, where[2])
+                if choice == "always" or os.path.exists(path):
+                    self._prepare(where, key, build=True)
+                elif total:
+                    share = unpaid.get(where, 0)
+                    self._charge(where, key, path, (share + elements * share / total) * per_element)
+
+    def _charge(self, where: Where, key: Key, path: str, seconds: float) -> None:
+        folder = os.path.dirname(path)
+        if cache.writable(folder):
+            paid = cache.pay(path, seconds)
+        else:
+            self._paid_here[key] = self._paid_here.get(key, 0.0) + seconds
+            paid = cache.paid(path) + self._paid_here[key]
+        cost = compile_cost(folder, key[2])
+        if paid >= cost:
+            self._prepare(where, key, build=True)
+        else:
+            logger.debug("precise-bn: %s stays eager: %.1f s of eager sums paid, compiling takes about %.1f s",
+                         kernel_name(key), paid, cost)
 
     def _missing(self) -> List[Tuple[Where, Key]]:
         return [(where, key) for where, key in self._seen.items() if where not in self.ready and key not in self._given_up]
 
     def compile_seen(self) -> None:
         """Load or compile every program seen so far that is not ready (unless ``never``)."""
-        if policy() == "never":
+        if cache.policy() == "never":
             return
         with self._lock:
             for where, key in self._missing():
-                self._prepare(where, key)
+                self._prepare(where, key, build=True)
 
-    def _prepare(self, where: Where, key: Key) -> None:
-        """Load ``where``'s package (``key``), compiling it first if it is not on disk."""
+    def _prepare(self, where: Where, key: Key, build: bool) -> None:
+        """Load ``where``'s package (``key``) if its record vouches for it, else set it aside;
+        compile it first where it is missing and ``build`` (unless another process is)."""
         self._seen[where] = key
-        if key in self._given_up:
-            return
         device = where[2]
         path = package_path(key, device)
         start = time.perf_counter()
+        built = False
         try:
-            built = not os.path.exists(path)
-            if built:
-                compile_package(key, device, path)
-            self.ready[where] = load_package(key, device, path)
+            if os.path.exists(path):
+                self._check(key, path)
+            if not os.path.exists(path):
+                if not build or not self._build(key, device, path):
+                    return
+                built = True
+            self.ready[where] = aoti.load_package(key, device, path)
         except Exception as exc:  # any failure leaves the eager form, which is always right
             self._given_up.add(key)
             text = str(exc).strip()
             self._fail("{}: {}".format(type(exc).__name__, text.splitlines()[0] if text else ""))
             return
+        except BaseException:
+            del self._seen[where]  # a Ctrl-C: tried again at its next sight
+            raise
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         if built:
             self.compiled.append(key)
             logger.warning("precise-bn: compiled %s in %.1f s, once for this machine (kept in %s)",
                            kernel_name(key), seconds, os.path.dirname(path))
+
+    def _check(self, key: Key, path: str) -> None:
+        """Set ``path`` aside, saying so, if its record does not vouch for it."""
+        why = cache.mismatch(path)
+        if why is None:
+            return
+        bad = cache.set_aside(path)
+        if bad is None:
+            self._given_up.add(key)
+            fix = "this process cannot rename it: remove {} and its .json, or ask the cache's owner to".format(path)
+        else:
+            fix = "set aside as {}; a new one is compiled when a pass pays for it".format(os.path.basename(bad))
+        logger.warning("precise-bn: the package %s was not loaded: %s; %s (the eager sums run meanwhile)", path, why, fix)
+
+    def _build(self, key: Key, device: torch.device, path: str) -> bool:
+        """Compile ``path`` unless another process holds its lock (False: eager meanwhile)."""
+        if not cache.writable(os.path.dirname(path)):
+            raise RuntimeError("the package cache {} cannot be written by this process: make it writable, or fill "
+                               "it with python -m precise_bn.moments where it can be".format(os.path.dirname(path)))
+        with cache.locked(path) as holder:
+            if holder is not None:
+                logger.info("precise-bn: %s is being compiled by process %s on %s; eager sums meanwhile",
+                            kernel_name(key), holder.get("pid"), holder.get("host"))
+                return False
+            cache.clean_partials(os.path.dirname(path))
+            if not os.path.exists(path):
+                aoti.compile_package(key, device, path)
+        return True
 
     def _note_subclass(self, kind: type) -> None:
         if kind not in self._subclasses:
@@ -297,7 +214,7 @@ class Kernels:
         the package paths (``python -m precise_bn.moments`` does this)."""
         with self._lock:
             for key in keys:
-                self._prepare((key[0], key[1], device), key)
+                self._prepare((key[0], key[1], device), key, build=True)
         return [package_path(key, device) for key in keys]
 
 

@@ -1,29 +1,23 @@
-"""One BN call's float64 mean and biased variance, measured from its input in one read.
-
-A call's input ``x`` (channels on dim 1, any layout) is measured around a per-channel shift ``c``
-near its mean: ``y = x - c`` in float64, ``mean = c + sum(y) / n``, ``var = (sum(y^2) -
-sum(y)^2 / n) / n``. Nothing cancels while ``c`` is within a few stds of the mean; on the CPU a
-call whose shift was further is measured again around its own mean, so the result is exact
-whatever the shift (docs/numerics.md derives the bound). The sums run as one fused loop, a
-:class:`~precise_bn.compiled.Program` per layout that AOTInductor compiles into a package on
-disk (:mod:`precise_bn.compiled`); until it is there, and wherever none can be made, eager
-float64 operators give the same numbers within float64 rounding, slower.
-``python -m precise_bn.moments`` compiles the usual packages ahead of time (for a cluster image,
-or a CI cache).
+"""One BN call's float64 mean and biased variance, measured from its input in one read around
+a per-channel shift ``c`` near its mean: ``mean = c + sum(y) / n``, ``var = (sum(y^2) - sum(y)^2
+/ n) / n`` with ``y = x - c`` in float64; on the CPU a call whose shift was more than a std off
+is measured again around its own mean (docs/numerics.md derives the bound). The sums are one
+fused loop per layout, compiled (:mod:`precise_bn.compiled`), eager operators until then.
+``python -m precise_bn.moments`` compiles them ahead of time (a cluster's image or shared cache).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import compiled
-from .compiled import Program
+from . import aoti, compiled
+from .aoti import Program
 
-#: Float64 values an eager chunk forms at a time: on the CPU few enough to be summed while still
-#: in cache, on a GPU enough to keep it busy.
+#: Float64 values an eager chunk forms at a time (CPU: still in cache; GPU: enough to keep it busy).
 CHUNK = {"cpu": 1 << 15, "other": 1 << 24}
 #: Devices where reading the far-shift flag costs nothing: the host is the device.
 HOST_DEVICES = ("cpu",)
@@ -134,27 +128,40 @@ def _dynamic(form: str) -> Tuple[Dict[int, Any], ...]:
     return {0: dims[0], 1: dims[1], 2: dims[2]}, {0: dims[1] if form == "channels_first" else dims[2]}
 
 
+SOURCE = "".join(inspect.getsource(part) for part in (_finish, _clean, _Sums))
 for _form in FORM_NAMES:
-    compiled.PROGRAMS[_form] = Program(
+    aoti.PROGRAMS[_form] = Program(
         module=lambda form=_form: _Sums(form), example=lambda dtypes, device, form=_form: _example(dtypes, device, form),
-        dynamic=lambda form=_form: _dynamic(form), eager=lambda x, shift, form=_form: _eager(form, x, shift))
+        dynamic=lambda form=_form: _dynamic(form), eager=lambda x, shift, form=_form: _eager(form, x, shift),
+        source=SOURCE)
+
+#: (input, shift) dtypes a model gives the sums: a layer's own, and half inputs beside float32 buffers.
+AHEAD = ("float32:float32", "float16:float32", "bfloat16:float32", "float16:float16", "bfloat16:bfloat16",
+         "float64:float64")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Compile the float64 sums of every layout, for the usual dtypes, ahead of time."""
+    """Compile the float64 sums of every layout ahead of time, for every (input, shift) dtype
+    pair a model gives them, into the cache (``PRECISE_BN_CACHE``)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m precise_bn.moments", description=main.__doc__)
     parser.add_argument("--device", default="cpu", help="the device to compile for (default: cpu)")
-    parser.add_argument("--dtypes", default="float32,bfloat16,float16",
-                        help="input dtypes, comma-separated (default: float32,bfloat16,float16)")
+    parser.add_argument("--dtypes", default=",".join(AHEAD),
+                        help="INPUT:SHIFT dtype pairs, comma-separated (a lone INPUT: its shift is float32); "
+                        "default: " + ",".join(AHEAD))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dtypes = [getattr(torch, name.strip()) for name in args.dtypes.split(",") if name.strip()]
-    keys: List[compiled.Key] = [(form, (dtype, torch.float32), device.type) for form in FORM_NAMES for dtype in dtypes]
+    keys: List[aoti.Key] = []
+    for pair in filter(None, (p.strip() for p in args.dtypes.split(","))):
+        names = (pair.split(":") + ["float32"])[:2]
+        dtypes = tuple(getattr(torch, name.strip(), None) for name in names)
+        if not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+            parser.error("--dtypes: {!r} is not INPUT:SHIFT floating dtypes (e.g. bfloat16:float32)".format(pair))
+        keys += [(form, dtypes, device.type) for form in FORM_NAMES]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for key, path in zip(keys, compiled.KERNELS.compile_ahead(keys, device)):
-        print("{}: {}".format(compiled.kernel_name(key), path))
+        print("{}: {}".format(aoti.kernel_name(key), path))
     return 1 if compiled.KERNELS.failures else 0
 
 

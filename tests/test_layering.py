@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "precise_bn"
 # Lowest first. A module belongs to the first layer with an entry that is its name or a package
 # holding it; the package root (re-exports) and ``__main__`` sit above everything.
 LAYERS = [
-    ["errors", "_version", "signals", "atomic", "digits", "rng", "se_spread", "order", "compiled"],
+    ["errors", "_version", "signals", "atomic", "digits", "rng", "se_spread", "order", "package_cache", "aoti", "compiled"],
     ["options", "estimator", "slices", "moments", "buffers"],
     ["data", "reader", "distributed", "report", "snapshot", "precision", "staleness"],
     ["driver"],

@@ -20,7 +20,7 @@ from ..buffers import Stats, round_to
 from ..data import count_samples, describe, move_to_device, recognised, smart_forward
 from ..errors import BatchError
 from ..estimator import PopulationStats
-from .. import compiled
+from .. import compiled, package_cache
 from ..options import ForwardFn, Options
 from ..report import BNReport
 from ..signals import checkpoint, critical, write
@@ -192,7 +192,9 @@ class BNPass:
 
     def plan(self, batches: Optional[int]) -> None:
         """The pass expects about ``batches`` batches (None: unknown): with the first batch's
-        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.compiled.Kernels.expect`)."""
+        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.compiled.Kernels.expect`).
+        The compile variables are checked here, before the first batch."""
+        package_cache.check_environment()
         self.planned = batches
 
     def prepare(self, batches: Optional[int]) -> List[Stats]:
