@@ -153,3 +153,23 @@ def test_a_layer_with_an_instance_forward_is_refused_before_the_pass():
     others = [model.blocks[0].bn, model.head]
     report = recompute(model, make_batches(3), layers=others, progress=False)
     assert [layer.name for layer in report.layers] == ["blocks.0.bn", "head"] and not report.unused
+
+
+def test_a_pass_imports_torchs_fsdp_with_signals_deferred(monkeypatch):
+    # A Ctrl-C inside torch's first import of FSDP (at a pass's attach) leaves sympy half-imported
+    # for the rest of the process; only a deferred signal keeps the import whole.
+    import importlib
+
+    from precise_bn.signals import in_critical_section
+
+    seen = []
+    real = importlib.import_module
+
+    def recording(name, *args, **kwargs):
+        if name == "torch.distributed.fsdp":
+            seen.append(in_critical_section())
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", recording)
+    recompute(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), [torch.randn(2, 3, 8, 8)], progress=False)
+    assert seen and all(seen), seen

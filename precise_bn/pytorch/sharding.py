@@ -9,25 +9,22 @@ FSDP version: ``docs/distributed.md`` ("FSDP").
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, List
 
 from torch import nn
 
+from ..signals import critical
 
-def _fsdp1() -> Any:
+
+def _fsdp(name: str) -> Any:
+    """torch's FSDP class ``name``, or None where this torch lacks it. Imported with signals
+    deferred: a Ctrl-C inside torch's first import of FSDP leaves sympy half-imported for good."""
     try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # a torch without FSDP
+        with critical():
+            return getattr(importlib.import_module("torch.distributed.fsdp"), name)
+    except (ImportError, AttributeError):  # a torch without FSDP, or before FSDP2
         return None
-    return FullyShardedDataParallel
-
-
-def _fsdp2() -> Any:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch before FSDP2
-        return None
-    return FSDPModule
 
 
 class FullParameters:
@@ -40,12 +37,12 @@ class FullParameters:
     def gather(self) -> None:
         """All-gather every unit's parameters once (a collective: every rank calls it at the
         same point) and make the forwards local."""
-        fsdp2 = _fsdp2()
+        fsdp2 = _fsdp("FSDPModule")
         if fsdp2 is not None:
             for module in self.model.modules():
                 if isinstance(module, fsdp2):
                     self._unshard2(module)
-        fsdp1 = _fsdp1()
+        fsdp1 = _fsdp("FullyShardedDataParallel")
         wrappers = [m for m in self.model.modules() if fsdp1 is not None and isinstance(m, fsdp1)]
         if wrappers:
             summon = fsdp1.summon_full_params(self.model, writeback=False, recurse=True)
