@@ -33,13 +33,15 @@ import interleaved  # noqa: E402
 import memory  # noqa: E402
 import methods  # noqa: E402
 import overhead  # noqa: E402
+import rent_or_buy  # noqa: E402
 from precise_bn import compiled  # noqa: E402
 
 pytestmark = pytest.mark.main_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = {"overhead": overhead, "compare": compare, "interleaved": interleaved, "budget": budget,
-            "cost": cost, "attack": exact_attack, "demo": demo_seeds, "fresh process": fresh_process, "memory": memory}
+            "cost": cost, "attack": exact_attack, "demo": demo_seeds, "fresh process": fresh_process, "memory": memory,
+            "rent or buy": rent_or_buy}
 
 
 @pytest.fixture
@@ -91,6 +93,7 @@ def test_every_script_runs_quick_and_writes_its_own_section(tmp_path, own_kernel
     assert "- the compiled runs measured every call with the compiled sums: **met**" in text
     assert own_kernels.ready and not own_kernels.failures
     assert "| bn_mlp + 1 MiB buffer |" in text
+    assert "- every prefix of the sequence costs at most 2x the better fixed choice: worst " in text
     for png in ("scaling.png", "memory.png", "budget.png", "pass_memory.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
 
