@@ -3,8 +3,9 @@
 Training-mode forwards can change more than the BN statistics (observers, spectral norm,
 counters, new buffers or attributes, a clamped weight). :class:`ModelState` keeps, per module,
 its class, attributes and tables of parameters, buffers and submodules; per buffer, where its
-data lives and a copy of its value; per parameter, its ``_version`` counter, and where its data
-lives and a copy of its value while the first batch runs. A copy of the parameters held for the
+data lives and a copy of its value; per parameter, its ``_version`` counter, where its data
+lives, and a copy of its value in host memory (whatever the model's device) while the first
+batch runs. A copy of the parameters held for the
 whole pass would add the size of the model to every pass, for something forwards rarely do: so
 :meth:`ModelState.check_parameters` releases it after a first batch that wrote no parameter, and
 keeps all of it for the whole pass after one that did (any parameter may then be written on any
@@ -26,6 +27,8 @@ from ..snapshot import Place, same_bits
 
 _TABLES = ("_parameters", "_buffers", "_modules")
 _MISSING = object()
+_HOST = torch.device("cpu")
+_CHUNK_BYTES = 1 << 23
 
 #: Buffers that switch a fake-quantize module's range learning on (``observer_enabled`` of
 #: ``torch.ao.quantization`` fake-quantize modules, ``static_enabled`` of the learnable one).
@@ -50,25 +53,95 @@ class _Buffer:
 
 
 class _Parameter:
-    """One parameter (however many modules hold it): its name, its ``_version`` counter, and its
-    copy while the pass keeps one (None once released, and for a parameter without a storage of
-    its own, such as FSDP2's sharded ``DTensor``: the pass runs on the full parameters, and reads
-    its counter alone)."""
+    """One parameter (however many modules hold it): its name, its ``_version`` counter, where its
+    data lives, and its copy in host memory while the pass keeps one (None once released, and for
+    a parameter without a storage of its own, such as FSDP2's sharded ``DTensor``: the pass runs
+    on the full parameters, and reads its counter alone)."""
 
     def __init__(self, name: str, tensor: torch.Tensor):
         self.name = name
         self.tensor = tensor
         self.version = tensor._version
-        self.copy: Optional[_Buffer] = _Buffer(tensor) if Place(tensor).storage is not None else None
+        self.place = Place(tensor)
+        self.copy: Optional[torch.Tensor] = None
 
     def written(self) -> bool:
         """Whether the forwards wrote it: its counter moved or, while its copy is kept, its bits
-        differ (a write through ``.data`` moves no counter). Data that moved is no write: FSDP
-        points parameters at the gathered full ones while the pass runs, and back afterwards;
-        :meth:`_Buffer.restore` points one that is still elsewhere back at its own storage."""
-        copy = self.copy
+        differ (a write through ``.data``, ``.numpy()`` or the storage moves no counter). Data
+        that moved is no write: FSDP points parameters at the gathered full ones while the pass
+        runs, and back afterwards; :meth:`restore` points one still elsewhere back at its storage."""
         return self.tensor._version != self.version or (
-            copy is not None and not copy.place.moved() and not same_bits(self.tensor, copy.value))
+            self.copy is not None and not self.place.moved() and not _same_bits(self.tensor, self.copy))
+
+    def restore(self) -> None:
+        copy = self.copy
+        if copy is None:
+            return
+        if self.place.moved():
+            self.place.put(self.tensor)  # points it back at its own storage; its value is its own
+        if not _same_bits(self.tensor, copy):
+            self.tensor.copy_(copy)
+
+
+def _host_copies(parameters: Collection[_Parameter]) -> None:
+    """Copy every parameter with a storage into host memory, one block per dtype: a dense one
+    (the usual) with its own strides, so that its bits compare span by span with a device's."""
+    groups: Dict[torch.dtype, List[_Parameter]] = {}
+    for parameter in parameters:
+        if parameter.place.storage is not None:
+            groups.setdefault(parameter.tensor.dtype, []).append(parameter)
+    for dtype, group in groups.items():
+        block = _host_empty(sum(p.tensor.numel() for p in group if _dense(p.tensor)), dtype)
+        start = 0
+        for parameter in group:
+            tensor = parameter.tensor.detach()
+            if _dense(tensor):
+                parameter.copy = block.as_strided(tensor.shape, tensor.stride(), start).copy_(tensor)
+                start += tensor.numel()
+            else:
+                parameter.copy = tensor.to(_HOST, copy=True)
+
+
+def _host_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` elements of host memory. Through numpy where it can: numpy asks Linux for huge
+    pages for a large block, which a copy fills several times faster than fresh small pages."""
+    try:
+        import numpy
+
+        size = torch.empty(0, dtype=dtype).element_size()
+        return torch.from_numpy(numpy.empty(n, "int{}".format(8 * size))).view(dtype)
+    except (ImportError, TypeError, RuntimeError):
+        return torch.empty(n, dtype=dtype)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill ``numel()`` consecutive places of its storage."""
+    if not tensor.numel():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_bits(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds the bits of its host ``copy``, compared a chunk at a time where
+    its data lies, so that no copy of a parameter ever fills an accelerator's memory."""
+    if tensor.dtype != copy.dtype or tensor.shape != copy.shape:
+        return False
+    tensor = tensor.detach()
+    if tensor.stride() != copy.stride() or not _dense(tensor):
+        return same_bits(tensor, copy.to(tensor.device))
+    ours, kept = _span(tensor), _span(copy)
+    step = max(1, _CHUNK_BYTES // tensor.element_size())
+    return all(same_bits(ours[i:i + step], kept[i:i + step].to(tensor.device)) for i in range(0, ours.numel(), step))
+
+
+def _span(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements as they lie in its storage, one dimension."""
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
 class ModelState:
@@ -89,6 +162,7 @@ class ModelState:
             for key, tensor in module._parameters.items():
                 if tensor is not None and id(tensor) not in self.parameters:
                     self.parameters[id(tensor)] = _Parameter(qualified(self.names.get(id(module), ""), key), tensor)
+        _host_copies(self.parameters.values())
         #: Batches checked by :meth:`check_parameters`; whether the parameters' copy is kept for
         #: the whole pass (the first batch wrote a parameter).
         self.checked = 0
@@ -165,8 +239,7 @@ class ModelState:
         for buffer in self.buffers.values():
             buffer.restore()
         for parameter in self.parameters.values():
-            if parameter.copy is not None:
-                parameter.copy.restore()
+            parameter.restore()
 
 
 def _put_back(table: Dict[str, Any], saved: Dict[str, Any]) -> None:
