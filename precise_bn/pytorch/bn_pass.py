@@ -27,12 +27,11 @@ from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
 from .capture import CallCapture, flush, merge_due
 from .claims import claim, release
-from .layers import NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model, warn_if_split_bn
+from .layers import RUNNING, NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model, warn_if_split_bn
 from .model_state import ModelState, module_names, qualified
 from .sharding import FullParameters
 
-_RUNNING = ("running_mean", "running_var")
-_BN_STATISTICS = _RUNNING + ("num_batches_tracked",)
+_BN_STATISTICS = RUNNING + ("num_batches_tracked",)
 
 
 class BNPass:
@@ -143,7 +142,7 @@ class BNPass:
         assert self.state is not None
         changed = self.state.changed_buffers(skip=self._bn_statistics())
         self.not_recomputed = self._functional_bn(changed)
-        self.changed_buffers = [qualified(name, key) for name, key in changed if key not in _RUNNING]
+        self.changed_buffers = [qualified(name, key) for name, key in changed if key not in RUNNING]
         self.changed_parameters = self.state.written_parameters()
 
     def _bn_statistics(self) -> Set[int]:
@@ -161,7 +160,7 @@ class BNPass:
         ``batch_norm`` call on their buffers, which the captures do not see."""
         names: List[str] = []
         for name, key in changed:
-            if key in _RUNNING and name not in names:
+            if key in RUNNING and name not in names:
                 names.append(name)
         return names
 

@@ -221,8 +221,8 @@ class CallCapture:
         buffers = module._buffers
         buffers["running_mean"] = mean
         buffers["running_var"] = var
-        module.momentum = 1.0
-        module.training = True
+        object.__setattr__(module, "momentum", 1.0)  # plain attributes: nn.Module's checks are slow
+        object.__setattr__(module, "training", True)
 
     def _merge(self, block: _Block) -> None:
         if block.calls:

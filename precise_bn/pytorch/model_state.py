@@ -132,7 +132,8 @@ def _same_bits(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
     if tensor.dtype != copy.dtype or tensor.shape != copy.shape:
         return False
     tensor = tensor.detach()
-    if tensor.stride() != copy.stride() or not _dense(tensor):
+    small = tensor.numel() * tensor.element_size() <= _CHUNK_BYTES
+    if small or tensor.stride() != copy.stride() or not _dense(tensor):
         return same_bits(tensor, copy.to(tensor.device))
     ours, kept = _span(tensor), _span(copy)
     step = max(1, _CHUNK_BYTES // tensor.element_size())
@@ -194,7 +195,8 @@ class ModelState:
         :class:`~precise_bn.ParameterChangedError` naming every parameter written in place since
         (its ``_version`` counter moved): nothing can put it back."""
         self.checked += 1
-        if self.keep_copies:
+        parameters = self.parameters.values()
+        if self.keep_copies or self.checked > 1 and all(p.tensor._version == p.version for p in parameters):
             return
         written = self.written_parameters()
         if self.checked == 1:
