@@ -81,11 +81,11 @@ class _Block:
     def counts(self) -> List[int]:
         return [n for _, n in self.calls]
 
-    def take(self) -> Tuple[torch.Tensor, List[int]]:
-        """``(2, calls, C)`` means and variances of the pending calls, and their counts; the
-        block is left empty (calls appended meanwhile stay for the next merge)."""
+    def take(self) -> Tuple[List[torch.Tensor], List[int]]:
+        """The pending calls' ``(2, C)`` means and variances, and their counts; the block is left
+        empty (calls appended meanwhile stay for the next merge)."""
         calls, self.calls = self.calls, []
-        return torch.stack([stats for stats, _ in calls], dim=1), [n for _, n in calls]
+        return [stats for stats, _ in calls], [n for _, n in calls]
 
 
 # Each batch_norm's positional arguments, as far as the ones read here.
@@ -226,7 +226,8 @@ class CallCapture:
 
     def _merge(self, block: _Block) -> None:
         if block.calls:
-            pending, counts = block.take()
+            calls, counts = block.take()
+            pending = torch.stack(calls, dim=1)
             center = self.stats.center_for(pending[0, 0])
             self.stats.add(combine_calls(pending[0], pending[1], counts, center))
 
@@ -279,10 +280,12 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
             groups.setdefault(key, []).append((capture, block))
     for members in groups.values():
         taken = [block.take() for _, block in members]
-        pending = torch.cat([part for part, _ in taken], dim=2)
-        center = torch.cat([capture.stats.center_for(part[0, 0]) for (capture, _), (part, _) in zip(members, taken)])
+        # One copy into (2, k, channels of every layer): call j of each layer, then call j + 1.
+        pending = torch.cat([calls[j] for j in range(len(taken[0][0])) for calls, _ in taken], dim=1)
+        pending = pending.view(2, len(taken[0][0]), -1)
+        center = torch.cat([capture.stats.center_for(calls[0][0]) for (capture, _), (calls, _) in zip(members, taken)])
         combined = combine_calls(pending[0], pending[1], taken[0][1], center)
-        widths = [part.shape[2] for part, _ in taken]
+        widths = [calls[0].shape[1] for calls, _ in taken]
         for (capture, _), group in zip(members, combined.split(widths)):
             capture.stats.add(group)
     return [capture.stats for capture in captures]
