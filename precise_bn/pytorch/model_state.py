@@ -1,19 +1,8 @@
-"""Everything the forwards of a pass may change in a PyTorch model, kept before it and put back.
-
-Training-mode forwards can change more than the BN statistics (observers, spectral norm,
-counters, new buffers or attributes, a clamped weight). :class:`ModelState` keeps, per module,
-its class, attributes and tables of parameters, buffers and submodules; per buffer, where its
-data lives and a copy of its value; per parameter, its ``_version`` counter, where its data
-lives, and a copy of its value in host memory (whatever the model's device) while the first
-batch runs. A copy of the parameters held for the
-whole pass would add the size of the model to every pass, for something forwards rarely do: so
-:meth:`ModelState.check_parameters` releases it after a first batch that wrote no parameter, and
-keeps all of it for the whole pass after one that did (any parameter may then be written on any
-batch). A parameter written only after the copy was released cannot be put back, and is refused
-(:class:`~precise_bn.ParameterChangedError`). :meth:`ModelState.restore` puts every object back,
-points a tensor whose data moved back at its own storage before anything is written, then
-writes only the buffers and kept parameters whose bits differ. What is put back, and why:
-``docs/interrupts.md``.
+"""Everything the forwards of a pass may change in a PyTorch model, kept before it and put back:
+per module its class, attributes and tables; per buffer where its data lives and its value; per
+parameter its ``_version`` counter, where its data lives and, while the first batch runs, its
+value in host memory (kept for the whole pass if that batch wrote one; a parameter first written
+later is refused). What is put back, and why: ``docs/interrupts.md``.
 """
 from __future__ import annotations
 
@@ -30,15 +19,13 @@ _MISSING = object()
 _HOST = torch.device("cpu")
 _CHUNK_BYTES = 1 << 23
 
-#: Buffers that switch a fake-quantize module's range learning on (``observer_enabled`` of
-#: ``torch.ao.quantization`` fake-quantize modules, ``static_enabled`` of the learnable one).
+#: Buffers that switch a fake-quantize module's range learning on.
 OBSERVER_SWITCHES = ("observer_enabled", "static_enabled")
 
 
 class _Buffer:
-    """One tensor (however many modules hold it): where its data lives, a copy of its value, and
-    the value the pass holds it at (``expected``: its own, or what :meth:`ModelState.freeze_observers`
-    set), which the forwards changed if they made it differ."""
+    """One tensor: where its data lives, its value, and the value the pass holds it at
+    (``expected``), which the forwards changed if they made it differ."""
 
     def __init__(self, tensor: torch.Tensor):
         self.place = Place(tensor)
@@ -53,10 +40,8 @@ class _Buffer:
 
 
 class _Parameter:
-    """One parameter (however many modules hold it): its name, its ``_version`` counter, where its
-    data lives, and its copy in host memory while the pass keeps one (None once released, and for
-    a parameter without a storage of its own, such as FSDP2's sharded ``DTensor``: the pass runs
-    on the full parameters, and reads its counter alone)."""
+    """One parameter: its name, ``_version`` counter, place, and host copy while one is kept
+    (never for a parameter without a storage, such as FSDP2's sharded ``DTensor``)."""
 
     def __init__(self, name: str, tensor: torch.Tensor):
         self.name = name
@@ -66,10 +51,8 @@ class _Parameter:
         self.copy: Optional[torch.Tensor] = None
 
     def written(self) -> bool:
-        """Whether the forwards wrote it: its counter moved or, while its copy is kept, its bits
-        differ (a write through ``.data``, ``.numpy()`` or the storage moves no counter). Data
-        that moved is no write: FSDP points parameters at the gathered full ones while the pass
-        runs, and back afterwards; :meth:`restore` points one still elsewhere back at its storage."""
+        """Whether the forwards wrote it: its counter moved or, while a copy is kept, its bits
+        differ (a write through ``.data`` moves no counter). Data that moved (FSDP) is no write."""
         return self.tensor._version != self.version or (
             self.copy is not None and not self.place.moved() and not _same_bits(self.tensor, self.copy))
 
@@ -84,8 +67,7 @@ class _Parameter:
 
 
 def _host_copies(parameters: Collection[_Parameter]) -> None:
-    """Copy every parameter with a storage into host memory, one block per dtype: a dense one
-    (the usual) with its own strides, so that its bits compare span by span with a device's."""
+    """Copy each parameter into host memory, one block per dtype, with its own strides."""
     groups: Dict[torch.dtype, List[_Parameter]] = {}
     for parameter in parameters:
         if parameter.place.storage is not None:
@@ -103,8 +85,8 @@ def _host_copies(parameters: Collection[_Parameter]) -> None:
 
 
 def _host_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """``n`` elements of host memory. Through numpy where it can: numpy asks Linux for huge
-    pages for a large block, which a copy fills several times faster than fresh small pages."""
+    """``n`` elements of host memory, through numpy: it asks Linux for huge pages, which a copy
+    fills several times faster than fresh small pages."""
     try:
         import numpy
 
@@ -127,8 +109,8 @@ def _dense(tensor: torch.Tensor) -> bool:
 
 
 def _same_bits(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds the bits of its host ``copy``, compared a chunk at a time where
-    its data lies, so that no copy of a parameter ever fills an accelerator's memory."""
+    """Whether ``tensor`` holds its host ``copy``'s bits, compared a chunk at a time where its
+    data lies."""
     if tensor.dtype != copy.dtype or tensor.shape != copy.shape:
         return False
     tensor = tensor.detach()
@@ -141,13 +123,11 @@ def _same_bits(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
 
 
 def _span(tensor: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements as they lie in its storage, one dimension."""
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
 class ModelState:
-    """The state of ``model`` when built (see the module docstring); ``names`` maps each module
-    to the name that error messages and reports use."""
+    """The state of ``model`` when built; ``names`` maps each module to its name in messages."""
 
     def __init__(self, model: nn.Module, names: Dict[int, str]):
         self.names = names
@@ -164,8 +144,6 @@ class ModelState:
                 if tensor is not None and id(tensor) not in self.parameters:
                     self.parameters[id(tensor)] = _Parameter(qualified(self.names.get(id(module), ""), key), tensor)
         _host_copies(self.parameters.values())
-        #: Batches checked by :meth:`check_parameters`; whether the parameters' copy is kept for
-        #: the whole pass (the first batch wrote a parameter).
         self.checked = 0
         self.keep_copies = False
 
@@ -175,8 +153,8 @@ class ModelState:
         return [(key, t, self.buffers[id(t)].value) for key, t in table.items() if t is not None]
 
     def freeze_observers(self) -> None:
-        """Stop every fake-quantize module from learning ranges (see :data:`OBSERVER_SWITCHES`):
-        the forwards quantize with the ranges the model has, as it will after the pass."""
+        """Stop every fake-quantize module from learning ranges: the forwards quantize with the
+        ranges the model has, as it will after the pass."""
         for module, _, _, tables in self.modules:
             for key in OBSERVER_SWITCHES:
                 switch = tables[1].get(key)
@@ -185,15 +163,13 @@ class ModelState:
                     self.buffers[id(switch)].expected = switch.detach().clone()
 
     def written_parameters(self) -> List[str]:
-        """The names of the parameters the forwards wrote in place (see :meth:`_Parameter.written`)."""
+        """The names of the parameters the forwards wrote in place."""
         return [p.name for p in self.parameters.values() if p.written()]
 
     def check_parameters(self) -> None:
-        """After each batch. After the first: release the parameters' copy if it wrote none, else
-        keep all of it for the whole pass, so that :meth:`restore` puts back every parameter
-        written on any batch. Once the copy is released, raise
-        :class:`~precise_bn.ParameterChangedError` naming every parameter written in place since
-        (its ``_version`` counter moved): nothing can put it back."""
+        """After each batch: after the first, release the copy if it wrote no parameter, else
+        keep all of it; once released, a counter that moved raises
+        :class:`~precise_bn.ParameterChangedError` (nothing can put that parameter back)."""
         self.checked += 1
         parameters = self.parameters.values()
         if self.keep_copies or self.checked > 1 and all(p.tensor._version == p.version for p in parameters):
@@ -215,9 +191,8 @@ class ModelState:
                 "values). {}".format(self.checked, ", ".join(written), ParameterChangedError.advice))
 
     def changed_buffers(self, skip: Collection[int] = ()) -> List[Tuple[str, str]]:
-        """``(module name, key)`` of each buffer kept that the forwards replaced, removed or changed
-        (its data moved, or its bits differ from what the pass holds it at), each tensor once,
-        under the first module holding it; the tensors whose ``id`` is in ``skip`` left out."""
+        """``(module name, key)`` of each kept buffer the forwards replaced, removed or changed,
+        each tensor once, under its first module; those whose ``id`` is in ``skip`` left out."""
         named = set(skip)
         changed: List[Tuple[str, str]] = []
         for module, _, _, tables in self.modules:
