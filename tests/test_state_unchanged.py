@@ -494,7 +494,7 @@ def test_every_kind_of_parameter_write_in_the_first_batch_is_put_back_and_named(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.bool])
 def test_the_parameters_copy_keeps_any_dtype_and_strides_bit_for_bit(dtype, monkeypatch):
-    """The host copy, one block per dtype, holds each parameter with its own strides (a
+    """The host copy holds each parameter with its own strides (a
     transposed one, one with a storage offset, an empty one) and finds a one-element write."""
     from precise_bn.pytorch import model_state
     monkeypatch.setattr(model_state, "_CHUNK_BYTES", 8)

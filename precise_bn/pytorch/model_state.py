@@ -67,33 +67,15 @@ class _Parameter:
 
 
 def _host_copies(parameters: Collection[_Parameter]) -> None:
-    """Copy each parameter into host memory, one block per dtype, with its own strides."""
-    groups: Dict[torch.dtype, List[_Parameter]] = {}
+    """Copy each parameter with a storage into host memory, with its own strides."""
     for parameter in parameters:
         if parameter.place.storage is not None:
-            groups.setdefault(parameter.tensor.dtype, []).append(parameter)
-    for dtype, group in groups.items():
-        block = _host_empty(sum(p.tensor.numel() for p in group if _dense(p.tensor)), dtype)
-        start = 0
-        for parameter in group:
             tensor = parameter.tensor.detach()
             if _dense(tensor):
-                parameter.copy = block.as_strided(tensor.shape, tensor.stride(), start).copy_(tensor)
-                start += tensor.numel()
+                copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_HOST)
+                parameter.copy = copy.copy_(tensor)
             else:
                 parameter.copy = tensor.to(_HOST, copy=True)
-
-
-def _host_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """``n`` elements of host memory, through numpy: it asks Linux for huge pages, which a copy
-    fills several times faster than fresh small pages."""
-    try:
-        import numpy
-
-        size = torch.empty(0, dtype=dtype).element_size()
-        return torch.from_numpy(numpy.empty(n, "int{}".format(8 * size))).view(dtype)
-    except (ImportError, TypeError, RuntimeError):
-        return torch.empty(n, dtype=dtype)
 
 
 def _dense(tensor: torch.Tensor) -> bool:
