@@ -12,7 +12,8 @@ adjacent ratios to the forward (``common.time_ratios``). Then one pass under
 ``torch.cuda.set_sync_debug_mode("warn")``: the synchronising operations it issued, per BN call
 and in all (the ones between batches and at the end of the pass are the driver's, not a call's).
 Then the written buffers against the float64 two-pass reference of every BN input
-(``methods.stat_errors``). Writes the "gpu" section of ``DIR/RESULTS.md``.
+(``methods.stat_errors``), and each method's peak of device memory over the forward's, next to
+the parameters' size (a pass keeps its copy of them in host memory). Writes the "gpu" section of ``DIR/RESULTS.md``.
 """
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ def syncs_per_call(model: torch.nn.Module, batches: List[torch.Tensor]) -> Dict[
     return {"syncs": syncs, "calls": calls[0], "per_call": syncs / max(calls[0], 1)}
 
 
+def device_peak(run: Callable[[Any, Any], None], model: torch.nn.Module, batches: List[torch.Tensor]) -> float:
+    """The peak device memory ``run`` allocates on a copy of ``model`` beyond what was allocated
+    before it, in MiB."""
+    model = copy.deepcopy(model)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run(model, batches)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2.0 ** 20
+
+
 def run_case(case: Case, reps: int) -> List[Any]:
     model, batches = case.build()
     model = model.cuda()
@@ -74,14 +87,19 @@ def run_case(case: Case, reps: int) -> List[Any]:
     methods.precise_default(recomputed, batches)
     errors = methods.stat_errors(recomputed, methods.float64_reference(model, batches))
     versus = timing["precise-bn"].versus(timing["fvcore"])
+    peaks = {name: device_peak(methods.METHODS[name], model, batches) for name in METHODS}
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters()) / 2.0 ** 20
     return case.describe(model) + [
+        "{:.1f}".format(parameters), "{:.2f}".format(peaks["precise-bn"] - peaks[FLOOR]),
+        "{:.2f}".format(peaks["fvcore"] - peaks[FLOOR]),
         timing["precise-bn"].cell(), timing["fvcore"].cell(), "{:.3f}".format(versus),
         "{} ({} calls, {:.2f} per call)".format(synced["syncs"], synced["calls"], synced["per_call"]),
         common.fmt_err(errors["var_rel"]), common.fmt_err(errors["mean_std"]), "yes" if errors["within"] else "**no**",
     ]
 
 
-HEADERS = cases.CASE_HEADERS + ["precise-bn / forward", "fvcore / forward", "precise-bn / fvcore",
+HEADERS = cases.CASE_HEADERS + ["parameters (MiB)", "precise-bn device peak over the forward's (MiB)",
+                                "fvcore's (MiB)", "precise-bn / forward", "fvcore / forward", "precise-bn / fvcore",
                                 "synchronising operations in a pass", "max rel var err", "max mean err (std)",
                                 "within the promise"]
 

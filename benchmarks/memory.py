@@ -4,8 +4,8 @@
 
 Writes the "memory" section of ``DIR/RESULTS.md`` and ``DIR/pass_memory.png``: for torchvision
 CNNs, a BN MLP and the same MLP holding a large buffer, what ``precise_bn.recompute`` adds to
-the plain forward's peak, next to the model's parameters (which a pass copies during its first
-batch, to put back a parameter a forward writes) and its buffers (which a pass keeps a copy of,
+the plain forward's peak, next to the model's parameters (which a pass copies into host memory
+during its first batch, to put back a parameter a forward writes; ``gpu.py`` measures the device) and its buffers (which a pass keeps a copy of,
 to put back what the forwards change). ``compare.py``
 uses :func:`peak_memory_over_floor` for every method. With ``--worker`` the script is the
 worker: a fresh process, started with glibc's malloc told to hand every large block straight

@@ -93,8 +93,9 @@ def test_due_layers_merge_together_and_the_others_wait():
 def test_grouped_flush_equals_one_merge_per_layer():
     uniform = [torch.randn(4, C, 3, 3) + 10.0 for _ in range(7)]
     ragged = _calls(7, seed=1)
-    grouped = [_run(uniform)[0], _run([t * 2 for t in uniform])[0], _run(ragged)[0]]
-    alone = [_run(uniform)[0], _run([t * 2 for t in uniform])[0], _run(ragged)[0]]
+    wider = [torch.cat([t, t[:, :2] * 3 - 1], dim=1) for t in uniform]  # another width, grouped too
+    grouped = [_run(uniform)[0], _run(wider)[0], _run([t * 2 for t in uniform])[0], _run(ragged)[0]]
+    alone = [_run(uniform)[0], _run(wider)[0], _run([t * 2 for t in uniform])[0], _run(ragged)[0]]
     for one_by_one, together in zip([c.flush() for c in alone], flush(grouped)):
         assert (together.count, together.calls) == (one_by_one.count, one_by_one.calls)
         torch.testing.assert_close(together.mean, one_by_one.mean, rtol=1e-13, atol=0)

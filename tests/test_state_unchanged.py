@@ -423,6 +423,99 @@ def test_a_parameter_written_only_on_a_later_batch_is_refused_naming_it_and_what
     assert after[0]["0.conv.weight"][:3] == before[0]["0.conv.weight"][:3]
 
 
+class Writing(nn.Module):
+    """Writes its conv's weight during the first batch only, in one of the ways of ``WRITES``;
+    ``channels_last`` gives the weight strides other than contiguous ones."""
+
+    def __init__(self, how: str, channels_last: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        if channels_last:
+            self.conv.to(memory_format=torch.channels_last)
+        if how == "parametrization-data":
+            torch.nn.utils.parametrize.register_parametrization(self.conv, "weight", nn.Identity())
+        self.how = how
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            WRITES[self.how](self.conv)
+        return self.conv(x)
+
+
+def _last(weight: torch.Tensor) -> Tuple[int, ...]:
+    return (-1,) * weight.dim()
+
+
+def _set(conv: nn.Module) -> None:
+    with torch.no_grad():
+        conv.weight.set_(conv.weight.detach() * 2)
+
+
+def _under_no_grad(write: Callable[[torch.Tensor], Any]) -> Callable[[nn.Module], None]:
+    def run(conv: nn.Module) -> None:
+        with torch.no_grad():
+            write(conv.weight)
+    return run
+
+
+#: Writes that move the weight's version counter, and (the last element alone, so that only the
+#: last chunk of a comparison differs) writes that do not.
+WRITES: Dict[str, Callable[[nn.Module], None]] = {
+    "view-no-grad": _under_no_grad(lambda w: w[-1].add_(1)),
+    "copy-no-grad": _under_no_grad(lambda w: w.copy_(w * 2)),
+    "init": lambda conv: nn.init.zeros_(conv.weight),
+    "set": _set,
+    "data": lambda conv: conv.weight.data[_last(conv.weight)].add_(1),
+    "numpy": lambda conv: conv.weight.detach().numpy().__setitem__(_last(conv.weight), 7.0),
+    "parametrization-data": lambda conv: conv.parametrizations.weight.original.data[_last(conv.weight)].add_(1),
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("how", list(WRITES))
+def test_every_kind_of_parameter_write_in_the_first_batch_is_put_back_and_named(how, channels_last, monkeypatch):
+    """Whatever way the forward writes a parameter, the weight is put back bit for bit, where its
+    data lived, and named; compared in chunks of two elements (where an accelerator's parameters
+    are compared with their copy in host memory, a chunk at a time)."""
+    from precise_bn.pytorch import model_state
+    monkeypatch.setattr(model_state, "_CHUNK_BYTES", 8)
+    model = with_bn(Writing(how, channels_last))
+    weight = model[0].conv.parametrizations.weight.original if how == "parametrization-data" else model[0].conv.weight
+    where = (weight.data_ptr(), weight.stride())
+    before = whole_state(model)
+    report, named = put_back_warnings(lambda: recompute(model, batches(count=3), progress=False))
+    assert_only_stats_changed(before, whole_state(model), ["1"])
+    assert (weight.data_ptr(), weight.stride()) == where
+    name = "0.conv.parametrizations.weight.original" if how == "parametrization-data" else "0.conv.weight"
+    assert report.changed_parameters == [name] and len(named) == 1 and name in named[0], (report.changed_parameters, named)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.bool])
+def test_the_parameters_copy_keeps_any_dtype_and_strides_bit_for_bit(dtype, monkeypatch):
+    """The host copy holds each parameter with its own strides (a
+    transposed one, one with a storage offset, an empty one) and finds a one-element write."""
+    from precise_bn.pytorch import model_state
+    monkeypatch.setattr(model_state, "_CHUNK_BYTES", 8)
+    model = nn.Module()
+    base = torch.randn(6, 5).to(dtype)
+    model.t = nn.Parameter(base.t(), requires_grad=False)
+    model.offset = nn.Parameter(torch.randn(40).to(dtype)[3:], requires_grad=False)
+    model.empty = nn.Parameter(torch.empty(0, 4, dtype=dtype), requires_grad=False)
+    state = ModelState(model, module_names(list(model.named_modules())))
+    assert state.written_parameters() == []
+    for p in state.parameters.values():
+        assert p.copy is not None and p.copy.device.type == "cpu" and p.copy.stride() == p.tensor.stride()
+        assert torch.equal(p.copy, p.tensor)
+    before = [model.t.detach().clone(), model.offset.detach().clone()]
+    model.t.data[-1, -1] = ~model.t.data[-1, -1] if dtype == torch.bool else model.t.data[-1, -1] + 1
+    model.offset.data[-1] = ~model.offset.data[-1] if dtype == torch.bool else model.offset.data[-1] + 1
+    assert state.written_parameters() == ["t", "offset"]
+    state.restore()
+    assert torch.equal(model.t, before[0]) and torch.equal(model.offset, before[1])
+
+
 # --------------------------------------------------------------------------------------------
 # Shared running buffers, functional batch_norm
 
@@ -565,7 +658,7 @@ def test_the_kept_state_copies_each_buffer_once_and_the_parameters_while_the_fir
     state = ModelState(model, module_names(list(model.named_modules())))
     assert _copied([b.value for b in state.buffers.values()]) == _copied(list(model.buffers()))
     copies = [p.copy for p in state.parameters.values()]
-    assert _copied([c.value for c in copies if c is not None]) == _copied(list(model.parameters()))
+    assert _copied([c for c in copies if c is not None]) == _copied(list(model.parameters()))
     with torch.no_grad():
         model[:3](batches(count=1)[0])
     state.check_parameters()

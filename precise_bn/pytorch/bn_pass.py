@@ -1,11 +1,6 @@
 """One forward-only measurement pass over a PyTorch model: the ``driver.Backend`` of PyTorch models.
-
-A pass changes the chosen layers' ``running_mean`` and ``running_var`` and nothing else; if the
-call that owns it raises, whatever the exception and wherever, the model is bit-identical to
-before (every buffer, attribute, class and flag, kept by :mod:`.model_state`). Attaching and
-restoring are :func:`~precise_bn.signals.critical` sections; :meth:`BNPass.write` restores the
-model and writes the new statistics as one :func:`~precise_bn.signals.write`. How and why:
-docs/ARCHITECTURE.md ("One call, start to end") and docs/interrupts.md.
+It changes the chosen layers' statistics and nothing else, and if its call raises the model is
+bit-identical to before: docs/ARCHITECTURE.md ("One call, start to end"), docs/interrupts.md.
 """
 from __future__ import annotations
 
@@ -27,12 +22,11 @@ from ..signals import checkpoint, critical, write
 from ..snapshot import Snapshot
 from .capture import CallCapture, flush, merge_due
 from .claims import claim, release
-from .layers import NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model, warn_if_split_bn
+from .layers import RUNNING, NamedLayer, named_modules, no_layer_message, select_layers, unwrap_model, warn_if_split_bn
 from .model_state import ModelState, module_names, qualified
 from .sharding import FullParameters
 
-_RUNNING = ("running_mean", "running_var")
-_BN_STATISTICS = _RUNNING + ("num_batches_tracked",)
+_BN_STATISTICS = RUNNING + ("num_batches_tracked",)
 
 
 class BNPass:
@@ -48,8 +42,7 @@ class BNPass:
 
     kind = "float64"
     label = "precise-bn"
-    #: Known once :meth:`running` is left, all put back: each buffer other than the BN layers'
-    #: statistics that the forwards changed, and each parameter they wrote in place (by name).
+    #: What else the forwards changed or wrote in place (put back), known once :meth:`running` is left.
     changed_buffers: Sequence[str] = ()
     changed_parameters: Sequence[str] = ()
 
@@ -71,8 +64,7 @@ class BNPass:
         self._attached: List[Tuple[CallCapture, nn.Module]] = []
         self.sharding: Optional[FullParameters] = None
         self.state: Optional[ModelState] = None
-        #: Modules whose running statistics a functional ``batch_norm`` changed during the pass
-        #: (put back, not recomputed); known once :meth:`running` is left.
+        #: Modules whose statistics a functional ``batch_norm`` changed (put back, not recomputed).
         self.not_recomputed: List[str] = []
         #: What :meth:`write` wrote, for ``report.undo()`` and the end of a ``recalibrated`` block.
         self.written: Optional[Snapshot] = None
@@ -93,9 +85,8 @@ class BNPass:
         return no_layer_message(self.model)
 
     def attach(self) -> None:
-        """Claim the model's modules (refused while another pass runs on any of them), keep the
-        model's state and attach a capture to each chosen layer (one critical section), then
-        gather FSDP's full parameters; on failure, everything is put back."""
+        """Claim the model's modules, keep its state and attach the captures (one critical
+        section), then gather FSDP's full parameters; on failure, everything is put back."""
         assert self.sharding is not None
         warn_if_split_bn(self.model, self.layers)
         names = module_names(named_modules(self.model))
@@ -123,14 +114,9 @@ class BNPass:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """No autograd, and ``torch.autocast`` on the model's device when asked; left once the
-        batches are over, it names what the forwards changed besides the measured statistics
-        (:attr:`not_recomputed`, :attr:`changed_buffers`, :attr:`changed_parameters`).
-
-        A generator, so that nothing is switched before the caller's ``with`` enters it, and
-        a block left without its ``__exit__`` (a signal handled just before it) still switches
-        back when the generator is collected, instead of leaving autograd off for the process.
-        """
+        """No autograd, and ``torch.autocast`` when asked; once left, what else the forwards
+        changed is named. A generator: nothing switches before the caller's ``with`` enters it,
+        and a block left without its ``__exit__`` switches back when the generator is collected."""
         autocast: ContextManager[Any] = contextlib.nullcontext()
         if self.opts.autocast:
             tensor = next(iter(self.model.parameters()), None)
@@ -143,31 +129,26 @@ class BNPass:
         assert self.state is not None
         changed = self.state.changed_buffers(skip=self._bn_statistics())
         self.not_recomputed = self._functional_bn(changed)
-        self.changed_buffers = [qualified(name, key) for name, key in changed if key not in _RUNNING]
+        self.changed_buffers = [qualified(name, key) for name, key in changed if key not in RUNNING]
         self.changed_parameters = self.state.written_parameters()
 
     def _bn_statistics(self) -> Set[int]:
-        """The BN layers' own statistics, which no report names: the chosen layers' are what the
-        pass measures, and the others' (layers left out by ``layers``) theirs to change in
-        training mode; ``num_batches_tracked`` included."""
+        """Every BN layer's own statistics, which no report names (measured, or theirs to change)."""
         assert self.state is not None
         return {id(tensor) for module, _, _, _ in self.state.modules if isinstance(module, _BatchNorm)
                 for key, tensor, _ in self.state.saved_buffers(module) if key in _BN_STATISTICS}
 
     @staticmethod
     def _functional_bn(changed: Sequence[Tuple[str, str]]) -> List[str]:
-        """The modules among ``changed`` (``(module name, key)``, BN layers' statistics left out)
-        whose ``running_mean`` or ``running_var`` the forwards changed: a functional
-        ``batch_norm`` call on their buffers, which the captures do not see."""
+        """The modules among ``changed`` whose running statistics a functional batch_norm wrote."""
         names: List[str] = []
         for name, key in changed:
-            if key in _RUNNING and name not in names:
+            if key in RUNNING and name not in names:
                 names.append(name)
         return names
 
     def step(self, batch: Any) -> int:
-        """Run one batch; an unrecognised batch that the model refuses becomes a BatchError.
-        First, a signal's exception that a finaliser swallowed is raised (a signals checkpoint)."""
+        """Run one batch; an unrecognised batch the model refuses becomes a BatchError."""
         checkpoint()
         try:
             self.forward(self.model, move_to_device(batch, self.opts.device))
@@ -191,8 +172,7 @@ class BNPass:
         return count_samples(batch)
 
     def plan(self, batches: Optional[int]) -> None:
-        """The pass expects about ``batches`` batches (None: unknown): with the first batch's
-        size, that says whether compiling the float64 sums pays (:meth:`~precise_bn.compiled.Kernels.expect`).
+        """About ``batches`` batches to come (None: unknown): whether compiling the sums pays.
         The compile variables are checked here, before the first batch."""
         package_cache.check_environment()
         self.planned = batches
@@ -208,8 +188,7 @@ class BNPass:
         return flush(self.captures)
 
     def old_stats(self) -> List[Stats]:
-        """Each layer's running stats before the pass, float64 on the CPU: from the copies kept
-        when attaching, never the buffers themselves (which a float64 layer's would be)."""
+        """Each layer's running stats before the pass, float64 on the CPU, from the kept copies."""
         assert self.state is not None
         kept = [{key: value for key, _, value in self.state.saved_buffers(m)} for _, m in self.layers]
         return [(k["running_mean"].double().cpu(), k["running_var"].double().cpu()) for k in kept]
@@ -232,13 +211,9 @@ class BNPass:
 
     def write(self, results: Sequence[Optional[Stats]], report: BNReport) -> None:
         """Put the model back and write ``results`` (float64 ``(mean, var)`` per layer, None to
-        keep a layer's old stats) in place with ``copy_``, so references held elsewhere see
-        them, each rounded to nearest in the buffer's dtype (:func:`~precise_bn.buffers.round_to`);
-        then keep in ``report`` what was written, for ``report.undo()``.
-
-        One :func:`~precise_bn.signals.write`: if the all-or-nothing call around it raises, a
-        signal's handler included, the model is put back as it was before the pass.
-        """
+        keep a layer's) in place, rounded to nearest in the buffers' dtype, as one
+        :func:`~precise_bn.signals.write` (undone if the call around it raises); then keep in
+        ``report`` what was written, for ``report.undo()``."""
         state = self.state
         assert state is not None
 
@@ -258,7 +233,6 @@ class BNPass:
              for key, buf, saved in state.saved_buffers(module)], self.opts.sync, self.opts.group, self.opts.timeout)
 
     def put_back(self) -> None:
-        """What leaving a ``recalibrated`` block does: the statistics from before the call back,
-        whatever happened since (idempotent)."""
+        """Leaving a ``recalibrated`` block: the statistics from before the call back (idempotent)."""
         if self.written is not None:
             self.written.restore()

@@ -1,14 +1,8 @@
-"""Capture every call of a BN layer and measure it in float64, for one read of its input.
-
-Each chosen layer's class is swapped for a subclass of the same name whose ``forward`` hands the
-call to the layer's :class:`CallCapture`: the layer computes as usual, with ``momentum = 1`` and
-a per-layer slot as running buffers (its own buffers are never written during the pass), then
-its input is measured in float64 around the batch mean the slot received
-(:func:`precise_bn.moments.measure`). Calls wait in a per-layer block; between batches the full
-blocks of every layer are merged into their :class:`~precise_bn.estimator.PopulationStats`
-together, in one vectorised step (:func:`merge_due`). SyncBatchNorm runs as
-plain BN: each rank's batch alone, merged at the end (no per-call collective to pair up or
-hang). Why: ``docs/numerics.md`` ("One call"), ``docs/distributed.md``.
+"""Every call of a BN layer measured in float64, through a class swap: the layer computes with
+``momentum = 1`` and a slot as running buffers (its own are never written), then its input is
+measured around the batch mean the slot received; calls wait in per-layer blocks, merged between
+batches many layers at once. SyncBatchNorm runs as plain BN. Why: ``docs/numerics.md`` ("One
+call"), ``docs/distributed.md``.
 """
 from __future__ import annotations
 
@@ -29,17 +23,15 @@ _BLOCK_VALUES = 1 << 16
 
 
 def calls_per_block(channels: int) -> int:
-    """Calls a layer keeps before merging them: 64, or fewer (down to 16) for wide layers, so
-    that a block stays small next to the layer's activations."""
+    """Calls a layer keeps before merging them: fewer for wide layers (down to 16), so that a
+    block stays small next to its activations."""
     return max(16, min(MAX_BLOCK_CALLS, _BLOCK_VALUES // max(channels, 1)))
 
 
 _CAPTURE_ATTR = "_precise_bn_capture"
 _CAPTURING_CLASSES: Dict[type, type] = {}
 
-# Classes whose forward in training mode is exactly ``F.batch_norm`` with batch statistics
-# (SyncBatchNorm's too, once it runs as plain BN for the pass): the capture calls the kernel
-# itself, with the slot as running buffers, and skips the Python of ``_BatchNorm.forward``.
+# Forwards that are exactly F.batch_norm in training mode: the capture calls the kernel itself.
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
@@ -48,7 +40,6 @@ def _reduce_as_plain(self: _BatchNorm, protocol: int) -> Any:
     capture: CallCapture = self.__dict__[_CAPTURE_ATTR]
     state = {k: v for k, v in self.__dict__.items() if k != _CAPTURE_ATTR}
     state.update(momentum=capture.saved_momentum, training=capture.saved_training)
-    # copyreg's reconstructor (what protocol 0 pickles use): the file names only the plain class.
     return copyreg._reconstructor, (capture.saved_class, object, None), state
 
 
@@ -70,9 +61,8 @@ def _capturing_class(cls: type) -> type:
 
 
 class _Block:
-    """The float64 ``(2, C)`` mean and variance of each pending call of a layer on one device,
-    with its element count: one list of pairs, so that threads appending to it (DataParallel's
-    replicas) never pair one call's result with another's count."""
+    """The pending calls of a layer on one device: ``((2, C) float64 mean and variance, count)``
+    pairs in one list, which DataParallel's threads append to whole."""
 
     def __init__(self) -> None:
         self.calls: List[Tuple[torch.Tensor, int]] = []
@@ -81,28 +71,23 @@ class _Block:
     def counts(self) -> List[int]:
         return [n for _, n in self.calls]
 
-    def take(self) -> Tuple[torch.Tensor, List[int]]:
-        """``(2, calls, C)`` means and variances of the pending calls, and their counts; the
-        block is left empty (calls appended meanwhile stay for the next merge)."""
+    def take(self) -> Tuple[List[torch.Tensor], List[int]]:
+        """The pending calls' statistics and counts, leaving the block empty."""
         calls, self.calls = self.calls, []
-        return torch.stack([stats for stats, _ in calls], dim=1), [n for _, n in calls]
+        return [stats for stats, _ in calls], [n for _, n in calls]
 
 
-# Each batch_norm's positional arguments, as far as the ones read here.
 _BATCH_NORMS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum"),
                 torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum")}
 
 
 class _Slot(torch.Tensor):
     """The running mean handed to a subclass's own forward: it records the input of every
-    training-mode batch_norm call that updates it, which is what the layer's running statistics
-    describe (a subclass may scale its input first). Only calls that involve the slot pass
-    through here, and their results are plain tensors: torch's C implementation runs them with
-    subclass dispatch off and back on in one step, which no exception can split (a Python
-    ``with`` block can be left between the two)."""
+    training-mode batch_norm call that updates it (a subclass may scale its input first). Only
+    calls involving the slot pass through here, and torch turns subclass dispatch off and back on
+    in C, in one step no exception can split."""
 
-    #: Each training-mode call's input, and whether it wrote its batch mean into the slot whole
-    #: (momentum 1).
+    #: Each training-mode call's input, and whether its momentum was 1.
     seen: List[Tuple[torch.Tensor, bool]]
 
     @classmethod
@@ -117,21 +102,17 @@ class _Slot(torch.Tensor):
 
 
 class CallCapture:
-    """Collects every call of one BN layer into ``stats`` (see the module docstring).
-
-    Thread-safe where threads share a layer: ``nn.DataParallel`` runs its replicas in threads,
-    one device each, and slots and blocks are kept per device, so a plain layer's call takes no
-    lock (a block is one list, appended a pair at a time). A subclass's call is recorded on its
-    slot, and holds the lock; so do merges.
-    """
+    """Collects every call of one BN layer into ``stats``. DataParallel's threads (one device
+    each) share it: slots and blocks are per device, so a plain layer's call takes no lock; a
+    subclass's call (recorded on its slot) and merges hold it."""
 
     def __init__(self, stats: PopulationStats, block_calls: Optional[int] = None):
         self.stats = stats
         self.block_calls = block_calls or calls_per_block(stats.num_channels)
         self.elements = 0
         self._blocks: Dict[torch.device, _Block] = {}
-        #: Per device: the running mean and variance handed to the kernel, and a plain tensor on
-        #: the mean's memory (the shift; for a subclass, its slot seen without the recording).
+        #: Per device: the running mean and variance handed to the kernel, and the mean as a
+        #: plain tensor.
         self._slots: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.saved_class: Optional[type] = None
@@ -149,8 +130,7 @@ class CallCapture:
         return slot
 
     def attach(self, module: _BatchNorm) -> None:
-        """Route ``module``'s calls through this capture until :meth:`detach`: its class is
-        swapped, it is put in training mode with ``momentum = 1``, and what it had is saved."""
+        """Route ``module``'s calls through this capture until :meth:`detach`."""
         self.saved_class = type(module)
         self._slot_for(module.running_mean.device, module.running_mean)
         self.saved_momentum = module.momentum
@@ -198,8 +178,7 @@ class CallCapture:
             return out
 
     def _add(self, x: torch.Tensor, shift: Optional[torch.Tensor]) -> None:
-        """Measure one call's input ``x`` around ``shift`` (None: its own mean, in at least
-        float32) into the block of its device."""
+        """Measure ``x`` around ``shift`` (None: its own mean) into its device's block."""
         channels = x.shape[1] if x.dim() > 1 else 0
         n = x.numel() // channels if channels else 0
         if not n:
@@ -215,18 +194,18 @@ class CallCapture:
 
     @staticmethod
     def _point_at(module: _BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:
-        """Prepare a subclass's own forward to write its running statistics into the slot, in
-        training mode: set again on every call because the model's forward may change them
-        (``bn.momentum = None`` before calling it, for one)."""
+        """Point a subclass's running statistics at the slot, in training mode, on every call:
+        the model's forward may change them (``bn.momentum = None``, for one)."""
         buffers = module._buffers
         buffers["running_mean"] = mean
         buffers["running_var"] = var
-        module.momentum = 1.0
-        module.training = True
+        object.__setattr__(module, "momentum", 1.0)  # plain attributes: nn.Module's checks are slow
+        object.__setattr__(module, "training", True)
 
     def _merge(self, block: _Block) -> None:
         if block.calls:
-            pending, counts = block.take()
+            calls, counts = block.take()
+            pending = torch.stack(calls, dim=1)
             center = self.stats.center_for(pending[0, 0])
             self.stats.add(combine_calls(pending[0], pending[1], counts, center))
 
@@ -242,8 +221,7 @@ class CallCapture:
         return self.stats
 
     def _uniform_pending(self) -> Optional[_Block]:
-        """The one block with pending calls, if they can join a merge of many layers: no other
-        block pending, and every pending call with the same element count."""
+        """The one block with pending calls, if all of them count the same elements."""
         pending = [block for block in self._blocks.values() if block.calls]
         if len(pending) != 1:
             return None
@@ -252,22 +230,17 @@ class CallCapture:
 
 
 def merge_due(captures: Sequence[CallCapture]) -> None:
-    """Merge the blocks of the layers whose blocks are full, together (:func:`flush`): called
-    between batches, so that a pass holds at most a block and a batch of calls per layer."""
+    """Between batches: merge the layers whose blocks are full, together (:func:`flush`)."""
     due = [capture for capture in captures if capture.due()]
     if due:
         flush(due)
 
 
 def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
-    """Merge every capture's pending calls and return their stats, in order.
-
-    At the end of a pass every layer has a partly filled block, and merging each alone is a
-    string of small operators per layer, which on a CPU adds up to milliseconds. Layers whose
-    k pending calls all count the same n elements per channel (on one device) are merged
-    together instead: their blocks concatenated along the channel axis go through one
-    :func:`~precise_bn.estimator.combine_calls`, then each layer takes its channels' part.
-    """
+    """Merge every capture's pending calls and return their stats, in order. Layers whose k
+    pending calls all count the same n elements (on one device) go through one
+    :func:`~precise_bn.estimator.combine_calls` together, their channels side by side: merged
+    alone, each would be a string of small operators."""
     groups: Dict[Tuple[torch.device, int, int], List[Tuple[CallCapture, _Block]]] = {}
     for capture in captures:
         with capture._lock:
@@ -279,10 +252,12 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
             groups.setdefault(key, []).append((capture, block))
     for members in groups.values():
         taken = [block.take() for _, block in members]
-        pending = torch.cat([part for part, _ in taken], dim=2)
-        center = torch.cat([capture.stats.center_for(part[0, 0]) for (capture, _), (part, _) in zip(members, taken)])
+        # One copy into (2, k, channels of every layer): call j of each layer, then call j + 1.
+        pending = torch.cat([calls[j] for j in range(len(taken[0][0])) for calls, _ in taken], dim=1)
+        pending = pending.view(2, len(taken[0][0]), -1)
+        center = torch.cat([capture.stats.center_for(calls[0][0]) for (capture, _), (calls, _) in zip(members, taken)])
         combined = combine_calls(pending[0], pending[1], taken[0][1], center)
-        widths = [part.shape[2] for part, _ in taken]
+        widths = [calls[0].shape[1] for calls, _ in taken]
         for (capture, _), group in zip(members, combined.split(widths)):
             capture.stats.add(group)
     return [capture.stats for capture in captures]

@@ -1,18 +1,8 @@
-"""Everything the forwards of a pass may change in a PyTorch model, kept before it and put back.
-
-Training-mode forwards can change more than the BN statistics (observers, spectral norm,
-counters, new buffers or attributes, a clamped weight). :class:`ModelState` keeps, per module,
-its class, attributes and tables of parameters, buffers and submodules; per buffer, where its
-data lives and a copy of its value; per parameter, its ``_version`` counter, and where its data
-lives and a copy of its value while the first batch runs. A copy of the parameters held for the
-whole pass would add the size of the model to every pass, for something forwards rarely do: so
-:meth:`ModelState.check_parameters` releases it after a first batch that wrote no parameter, and
-keeps all of it for the whole pass after one that did (any parameter may then be written on any
-batch). A parameter written only after the copy was released cannot be put back, and is refused
-(:class:`~precise_bn.ParameterChangedError`). :meth:`ModelState.restore` puts every object back,
-points a tensor whose data moved back at its own storage before anything is written, then
-writes only the buffers and kept parameters whose bits differ. What is put back, and why:
-``docs/interrupts.md``.
+"""Everything the forwards of a pass may change in a PyTorch model, kept before it and put back:
+per module its class, attributes and tables; per buffer where its data lives and its value; per
+parameter its ``_version`` counter, where its data lives and, while the first batch runs, its
+value in host memory (kept for the whole pass if that batch wrote one; a parameter first written
+later is refused). What is put back, and why: ``docs/interrupts.md``.
 """
 from __future__ import annotations
 
@@ -26,16 +16,16 @@ from ..snapshot import Place, same_bits
 
 _TABLES = ("_parameters", "_buffers", "_modules")
 _MISSING = object()
+_HOST = torch.device("cpu")
+_CHUNK_BYTES = 1 << 23
 
-#: Buffers that switch a fake-quantize module's range learning on (``observer_enabled`` of
-#: ``torch.ao.quantization`` fake-quantize modules, ``static_enabled`` of the learnable one).
+#: Buffers that switch a fake-quantize module's range learning on.
 OBSERVER_SWITCHES = ("observer_enabled", "static_enabled")
 
 
 class _Buffer:
-    """One tensor (however many modules hold it): where its data lives, a copy of its value, and
-    the value the pass holds it at (``expected``: its own, or what :meth:`ModelState.freeze_observers`
-    set), which the forwards changed if they made it differ."""
+    """One tensor: where its data lives, its value, and the value the pass holds it at
+    (``expected``), which the forwards changed if they made it differ."""
 
     def __init__(self, tensor: torch.Tensor):
         self.place = Place(tensor)
@@ -50,30 +40,76 @@ class _Buffer:
 
 
 class _Parameter:
-    """One parameter (however many modules hold it): its name, its ``_version`` counter, and its
-    copy while the pass keeps one (None once released, and for a parameter without a storage of
-    its own, such as FSDP2's sharded ``DTensor``: the pass runs on the full parameters, and reads
-    its counter alone)."""
+    """One parameter: its name, ``_version`` counter, place, and host copy while one is kept
+    (never for a parameter without a storage, such as FSDP2's sharded ``DTensor``)."""
 
     def __init__(self, name: str, tensor: torch.Tensor):
         self.name = name
         self.tensor = tensor
         self.version = tensor._version
-        self.copy: Optional[_Buffer] = _Buffer(tensor) if Place(tensor).storage is not None else None
+        self.place = Place(tensor)
+        self.copy: Optional[torch.Tensor] = None
 
     def written(self) -> bool:
-        """Whether the forwards wrote it: its counter moved or, while its copy is kept, its bits
-        differ (a write through ``.data`` moves no counter). Data that moved is no write: FSDP
-        points parameters at the gathered full ones while the pass runs, and back afterwards;
-        :meth:`_Buffer.restore` points one that is still elsewhere back at its own storage."""
-        copy = self.copy
+        """Whether the forwards wrote it: its counter moved or, while a copy is kept, its bits
+        differ (a write through ``.data`` moves no counter). Data that moved (FSDP) is no write."""
         return self.tensor._version != self.version or (
-            copy is not None and not copy.place.moved() and not same_bits(self.tensor, copy.value))
+            self.copy is not None and not self.place.moved() and not _same_bits(self.tensor, self.copy))
+
+    def restore(self) -> None:
+        copy = self.copy
+        if copy is None:
+            return
+        if self.place.moved():
+            self.place.put(self.tensor)  # points it back at its own storage; its value is its own
+        if not _same_bits(self.tensor, copy):
+            self.tensor.copy_(copy)
+
+
+def _host_copies(parameters: Collection[_Parameter]) -> None:
+    """Copy each parameter with a storage into host memory, with its own strides."""
+    for parameter in parameters:
+        if parameter.place.storage is not None:
+            tensor = parameter.tensor.detach()
+            if _dense(tensor):
+                copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_HOST)
+                parameter.copy = copy.copy_(tensor)
+            else:
+                parameter.copy = tensor.to(_HOST, copy=True)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill ``numel()`` consecutive places of its storage."""
+    if not tensor.numel():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_bits(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds its host ``copy``'s bits, compared a chunk at a time where its
+    data lies."""
+    if tensor.dtype != copy.dtype or tensor.shape != copy.shape:
+        return False
+    tensor = tensor.detach()
+    small = tensor.numel() * tensor.element_size() <= _CHUNK_BYTES
+    if small or tensor.stride() != copy.stride() or not _dense(tensor):
+        return same_bits(tensor, copy.to(tensor.device))
+    ours, kept = _span(tensor), _span(copy)
+    step = max(1, _CHUNK_BYTES // tensor.element_size())
+    return all(same_bits(ours[i:i + step], kept[i:i + step].to(tensor.device)) for i in range(0, ours.numel(), step))
+
+
+def _span(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
 
 
 class ModelState:
-    """The state of ``model`` when built (see the module docstring); ``names`` maps each module
-    to the name that error messages and reports use."""
+    """The state of ``model`` when built; ``names`` maps each module to its name in messages."""
 
     def __init__(self, model: nn.Module, names: Dict[int, str]):
         self.names = names
@@ -89,8 +125,7 @@ class ModelState:
             for key, tensor in module._parameters.items():
                 if tensor is not None and id(tensor) not in self.parameters:
                     self.parameters[id(tensor)] = _Parameter(qualified(self.names.get(id(module), ""), key), tensor)
-        #: Batches checked by :meth:`check_parameters`; whether the parameters' copy is kept for
-        #: the whole pass (the first batch wrote a parameter).
+        _host_copies(self.parameters.values())
         self.checked = 0
         self.keep_copies = False
 
@@ -100,8 +135,8 @@ class ModelState:
         return [(key, t, self.buffers[id(t)].value) for key, t in table.items() if t is not None]
 
     def freeze_observers(self) -> None:
-        """Stop every fake-quantize module from learning ranges (see :data:`OBSERVER_SWITCHES`):
-        the forwards quantize with the ranges the model has, as it will after the pass."""
+        """Stop every fake-quantize module from learning ranges: the forwards quantize with the
+        ranges the model has, as it will after the pass."""
         for module, _, _, tables in self.modules:
             for key in OBSERVER_SWITCHES:
                 switch = tables[1].get(key)
@@ -110,17 +145,16 @@ class ModelState:
                     self.buffers[id(switch)].expected = switch.detach().clone()
 
     def written_parameters(self) -> List[str]:
-        """The names of the parameters the forwards wrote in place (see :meth:`_Parameter.written`)."""
+        """The names of the parameters the forwards wrote in place."""
         return [p.name for p in self.parameters.values() if p.written()]
 
     def check_parameters(self) -> None:
-        """After each batch. After the first: release the parameters' copy if it wrote none, else
-        keep all of it for the whole pass, so that :meth:`restore` puts back every parameter
-        written on any batch. Once the copy is released, raise
-        :class:`~precise_bn.ParameterChangedError` naming every parameter written in place since
-        (its ``_version`` counter moved): nothing can put it back."""
+        """After each batch: after the first, release the copy if it wrote no parameter, else
+        keep all of it; once released, a counter that moved raises
+        :class:`~precise_bn.ParameterChangedError` (nothing can put that parameter back)."""
         self.checked += 1
-        if self.keep_copies:
+        parameters = self.parameters.values()
+        if self.keep_copies or self.checked > 1 and all(p.tensor._version == p.version for p in parameters):
             return
         written = self.written_parameters()
         if self.checked == 1:
@@ -139,9 +173,8 @@ class ModelState:
                 "values). {}".format(self.checked, ", ".join(written), ParameterChangedError.advice))
 
     def changed_buffers(self, skip: Collection[int] = ()) -> List[Tuple[str, str]]:
-        """``(module name, key)`` of each buffer kept that the forwards replaced, removed or changed
-        (its data moved, or its bits differ from what the pass holds it at), each tensor once,
-        under the first module holding it; the tensors whose ``id`` is in ``skip`` left out."""
+        """``(module name, key)`` of each kept buffer the forwards replaced, removed or changed,
+        each tensor once, under its first module; those whose ``id`` is in ``skip`` left out."""
         named = set(skip)
         changed: List[Tuple[str, str]] = []
         for module, _, _, tables in self.modules:
@@ -165,8 +198,7 @@ class ModelState:
         for buffer in self.buffers.values():
             buffer.restore()
         for parameter in self.parameters.values():
-            if parameter.copy is not None:
-                parameter.copy.restore()
+            parameter.restore()
 
 
 def _put_back(table: Dict[str, Any], saved: Dict[str, Any]) -> None:
