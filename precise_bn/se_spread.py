@@ -11,6 +11,11 @@ import torch
 #: The exponents (a, b), in storage order.
 POWERS = tuple((a, b) for a in range(5) for b in range(5 - a))
 INDEX = {pair: i for i, pair in enumerate(POWERS)}
+_P_ROWS = tuple(INDEX[(a, 0)] for a in range(1, 5))
+_Q_ROWS = tuple(INDEX[(0, b)] for b in range(1, 5))
+# p^a times q^1 .. q^(4-a), written to consecutive rows.
+_PRODUCTS = tuple((INDEX[(a, 0)], slice(INDEX[(0, 1)], INDEX[(0, 5 - a)]), slice(INDEX[(a, 1)], INDEX[(a, 1)] + 4 - a))
+                  for a in range(1, 4))
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,12 +53,17 @@ def affine(sums: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, delta: 
 
 def power_sums(weights: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``sum_i weights_i p_i^a q_i^b`` for every ``(a, b)`` of :data:`POWERS` over k rows (k, C)."""
-    p_powers = [torch.ones_like(p), p, p * p]
-    p_powers += [p_powers[2] * p, p_powers[2].square()]
-    q_powers = [None, q, q * q]
-    q_powers += [q_powers[2] * q, q_powers[2].square()]
-    rows = [p_powers[a] if b == 0 else q_powers[b] if a == 0 else p_powers[a] * q_powers[b] for a, b in POWERS]
-    return torch.matmul(weights, torch.stack(rows))
+    rows = p.new_empty((len(POWERS),) + tuple(p.shape))
+    row = rows.unbind(0)
+    row[0].fill_(1.0)
+    for base, (one, two, three, four) in ((p, _P_ROWS), (q, _Q_ROWS)):
+        row[one].copy_(base)
+        torch.mul(base, base, out=row[two])
+        torch.mul(row[two], base, out=row[three])
+        torch.square(row[two], out=row[four])
+    for p_row, q_rows, out in _PRODUCTS:
+        torch.mul(row[p_row], rows[q_rows], out=rows[out])
+    return torch.matmul(weights, rows)
 
 
 def spread_of_squares(sums: torch.Tensor, shift: torch.Tensor, var: torch.Tensor,
