@@ -129,14 +129,18 @@ class PopulationStats:
             self.center.copy_(first_means)
         return self.center
 
-    def add(self, group: CallGroup) -> None:
-        """Merge a group of calls (another block, device, rank or pass)."""
+    def add(self, group: CallGroup, owned: bool = False) -> None:
+        """Merge a group of calls (another block, device, rank or pass); ``owned``: its tensors
+        are no one else's, so a first group is kept rather than copied."""
         if group.count <= 0:
             self.calls += group.calls
             return
         if self.count == 0:
-            for mine, theirs in zip(self.as_group().tensors(), group.tensors()):
-                mine.copy_(theirs)
+            if owned:
+                self.mean, self.m2, self.center, self.u, self.cov, self.sums, self.order = group.tensors()
+            else:
+                for mine, theirs in zip(self.as_group().tensors(), group.tensors()):
+                    mine.copy_(theirs)
             if self.calls:  # groups without elements came first: this one's indices start after them
                 times = self.order[order_sums.TREND.start:]
                 times.copy_(order_sums.shift(times, self.calls, self._totals(group, self.center)))
@@ -290,6 +294,26 @@ class PopulationStats:
         for tensor, part in zip(mine, packed[3:].split([t.numel() for t in mine])):
             tensor.copy_(part.view_as(tensor))
         return stats
+
+
+def add_side_by_side(members: Sequence[PopulationStats], group: CallGroup, widths: Sequence[int]) -> None:
+    """Add ``group``, the channels of ``members`` side by side, to them: in one merge over their
+    joined state when they have seen the same calls (each channel's operations unchanged)."""
+    first = members[0]
+    history = (first.count, first.calls, first.weight)
+    if not first.count or any((m.count, m.calls, m.weight) != history for m in members):
+        for stats, part in zip(members, group.split(widths)):
+            stats.add(part)
+        return
+    joined = PopulationStats(0)
+    joined.count, joined.calls, joined.weight = history
+    tensors = [torch.cat(parts, dim=-1) for parts in zip(*(m.as_group().tensors() for m in members))]
+    joined.mean, joined.m2, joined.center, joined.u, joined.cov, joined.sums, joined.order = tensors
+    joined.add(group)
+    for stats, part in zip(members, joined.as_group().split(widths)):
+        for mine, theirs in zip(stats.as_group().tensors(), part.tensors()):
+            mine.copy_(theirs)
+        stats.count, stats.calls, stats.weight = joined.count, joined.calls, joined.weight
 
 
 def pool_with_prior(source: Tuple[torch.Tensor, torch.Tensor], target: Tuple[torch.Tensor, torch.Tensor],

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from precise_bn import NonFiniteStatsError, PopulationStats
-from precise_bn.estimator import combine_calls
+from precise_bn.estimator import add_side_by_side, combine_calls
 from precise_bn.precision import flags
 
 
@@ -188,3 +188,43 @@ def test_a_call_carrying_the_spread_marks_its_channel_and_normal_calls_do_not():
     single = PopulationStats(1)
     single.add_call(torch.zeros(1), torch.ones(1), 4)
     assert torch.isnan(single.tail_spread()[1]).all() and flags(single) == {}
+
+
+def _block(gen, k, widths, count):
+    means = torch.randn(k, sum(widths), generator=gen, dtype=torch.float64) * 5 + 100
+    return means, torch.rand(k, sum(widths), generator=gen, dtype=torch.float64) * 3, [count] * k
+
+
+@pytest.mark.parametrize("histories", [(2, 2, 2), (2, 3, 2), (0, 0, 0), (1, 0, 1)])
+def test_side_by_side_add_is_bit_for_bit_one_add_per_layer(histories):
+    gen = torch.Generator().manual_seed(7)
+    widths = [3, 8, 5]
+    together, alone = ([PopulationStats(w, name=str(i)) for i, w in enumerate(widths)] for _ in range(2))
+    for layer, blocks in enumerate(histories):  # a layer's earlier blocks, the same on both sides
+        for _ in range(blocks):
+            means, variances, counts = _block(gen, 4, widths[layer:layer + 1], 6)
+            for stats in (together[layer], alone[layer]):
+                stats.add(combine_calls(means.clone(), variances.clone(), counts, stats.center_for(means[0])))
+    means, variances, counts = _block(gen, 5, widths, 9)
+    centers = [s.center_for(part[0]) for s, part in zip(alone, means.split(widths, dim=1))]
+    for stats, group in zip(alone, combine_calls(means.clone(), variances.clone(), counts, torch.cat(centers)).split(widths)):
+        stats.add(group)
+    centers = [s.center_for(part[0]) for s, part in zip(together, means.split(widths, dim=1))]
+    add_side_by_side(together, combine_calls(means.clone(), variances.clone(), counts, torch.cat(centers)), widths)
+    for mine, reference in zip(together, alone):
+        assert (mine.count, mine.calls, mine.weight) == (reference.count, reference.calls, reference.weight)
+        assert torch.equal(mine.state(), reference.state())
+
+
+def test_an_owned_first_group_is_kept_and_a_merged_estimator_is_not_shared():
+    gen = torch.Generator().manual_seed(8)
+    means, variances, counts = _block(gen, 3, [4], 5)
+    group = combine_calls(means, variances, counts, means[0].clone())
+    owner = PopulationStats(4)
+    owner.add(group, owned=True)
+    assert owner.mean is group.mean and owner.order is group.order
+    copy = PopulationStats(4)
+    copy.merge(owner)
+    before = copy.state().clone()
+    owner.add(combine_calls(*_block(gen, 2, [4], 5), owner.center))
+    assert copy.mean is not owner.mean and torch.equal(copy.state(), before)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..estimator import PopulationStats, combine_calls
+from ..estimator import PopulationStats, add_side_by_side, combine_calls
 from ..moments import measure
 
 MAX_BLOCK_CALLS = 64
@@ -207,7 +207,7 @@ class CallCapture:
             calls, counts = block.take()
             pending = torch.stack(calls, dim=1)
             center = self.stats.center_for(pending[0, 0])
-            self.stats.add(combine_calls(pending[0], pending[1], counts, center))
+            self.stats.add(combine_calls(pending[0], pending[1], counts, center), owned=True)
 
     def due(self) -> bool:
         """Whether a block holds :attr:`block_calls` calls or more."""
@@ -255,9 +255,10 @@ def flush(captures: Sequence[CallCapture]) -> List[PopulationStats]:
         # One copy into (2, k, channels of every layer): call j of each layer, then call j + 1.
         pending = torch.cat([calls[j] for j in range(len(taken[0][0])) for calls, _ in taken], dim=1)
         pending = pending.view(2, len(taken[0][0]), -1)
-        center = torch.cat([capture.stats.center_for(calls[0][0]) for (capture, _), (calls, _) in zip(members, taken)])
-        combined = combine_calls(pending[0], pending[1], taken[0][1], center)
-        widths = [calls[0].shape[1] for calls, _ in taken]
-        for (capture, _), group in zip(members, combined.split(widths)):
-            capture.stats.add(group)
+        centers = [capture.stats.center_for(calls[0][0]) for (capture, _), (calls, _) in zip(members, taken)]
+        combined = combine_calls(pending[0], pending[1], taken[0][1], torch.cat(centers) if len(centers) > 1 else centers[0])
+        if len(members) == 1:
+            members[0][0].stats.add(combined, owned=True)
+            continue
+        add_side_by_side([capture.stats for capture, _ in members], combined, [calls[0].shape[1] for calls, _ in taken])
     return [capture.stats for capture in captures]
