@@ -298,17 +298,19 @@ class PopulationStats:
 
 def add_side_by_side(members: Sequence[PopulationStats], group: CallGroup, widths: Sequence[int]) -> None:
     """Add ``group``, the channels of ``members`` side by side, to them: in one merge over their
-    joined state when they have seen the same calls (each channel's operations unchanged)."""
+    joined state when they have seen the same calls around the group's centre (each channel's
+    operations are then those of its own :meth:`PopulationStats.add`)."""
     first = members[0]
     history = (first.count, first.calls, first.weight)
-    if not first.count or any((m.count, m.calls, m.weight) != history for m in members):
+    joined = PopulationStats(0)
+    if first.count and all((m.count, m.calls, m.weight) == history for m in members):
+        tensors = [torch.cat(parts, dim=-1) for parts in zip(*(m.as_group().tensors() for m in members))]
+        joined.mean, joined.m2, joined.center, joined.u, joined.cov, joined.sums, joined.order = tensors
+    if not torch.equal(joined.center, group.center):
         for stats, part in zip(members, group.split(widths)):
             stats.add(part)
         return
-    joined = PopulationStats(0)
     joined.count, joined.calls, joined.weight = history
-    tensors = [torch.cat(parts, dim=-1) for parts in zip(*(m.as_group().tensors() for m in members))]
-    joined.mean, joined.m2, joined.center, joined.u, joined.cov, joined.sums, joined.order = tensors
     joined.add(group)
     for stats, part in zip(members, joined.as_group().split(widths)):
         for mine, theirs in zip(stats.as_group().tensors(), part.tensors()):
