@@ -27,7 +27,8 @@ def lag_matrix(order: torch.Tensor) -> torch.Tensor:
 def block(n: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The order sums (ROWS, C) of k calls: counts ``n`` (k,), ``q`` and ``p`` (k, C)."""
     z = torch.stack([torch.ones_like(q), q, p]) * n[:, None]  # (3, k, C)
-    lag = _pack((z[:, None, :-1] * z[None, :, 1:]).sum(2))
+    # One row of z at a time: the (3, 3, k - 1, C) product at once is a large fresh allocation.
+    lag = _pack(torch.stack([(z[a, None, :-1] * z[:, 1:]).sum(1) for a in range(3)]))
     t = torch.arange(len(n), dtype=n.dtype, device=n.device)
     time2 = torch.matmul(t * t, z[0]).unsqueeze(0)
     return torch.cat([lag, z[:, 0], z[:, -1], torch.matmul(t, z), time2])
