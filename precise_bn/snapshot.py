@@ -68,16 +68,20 @@ class Place:
     def put(self, value: torch.Tensor) -> None:
         """Make the tensor hold ``value`` where its data lived (pointed back at its storage first: a
         refused resize can leave sizes it cannot hold); only differing bits are written."""
-        tensor = self.tensor
+        self.point_back(value)
+        if not same_bits(self.tensor, value):
+            self.tensor.copy_(value)
+
+    def point_back(self, value: torch.Tensor) -> None:
+        """Point the tensor back at where its data lived, if it moved (without a storage of its
+        own: at a copy of ``value``)."""
         if self.moved():
             shape, dtype, device = self.where[:3]
             if self.storage is None:
-                tensor.data = value.clone()
+                self.tensor.data = value.clone()
             else:
                 offset, stride = self.where[3:5]
-                tensor.data = torch.empty(0, dtype=dtype, device=device).set_(self.storage, offset, shape, stride)
-        if not same_bits(tensor, value):
-            tensor.copy_(value)
+                self.tensor.data = torch.empty(0, dtype=dtype, device=device).set_(self.storage, offset, shape, stride)
 
 
 @dataclass

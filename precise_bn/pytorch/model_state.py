@@ -60,8 +60,7 @@ class _Parameter:
         copy = self.copy
         if copy is None:
             return
-        if self.place.moved():
-            self.place.put(self.tensor)  # points it back at its own storage; its value is its own
+        self.place.point_back(copy)
         if not _same_bits(self.tensor, copy):
             self.tensor.copy_(copy)
 
